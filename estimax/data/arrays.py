@@ -1,0 +1,84 @@
+"""In-memory examples: arrays or dicts of arrays that share a leading axis.
+
+Training batches are random-access by step (batch ``s`` is a pure function of
+the seed and ``s``), so a resumed run continues exactly where it stopped from
+the step alone. Each epoch is a fresh permutation; the remainder of an epoch
+that does not fill a batch is dropped, so every example is seen at most once
+per epoch. Evaluation batches run in order and keep the final partial batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+
+class ArrayDataset:
+    """Examples held as numpy arrays; see ``from_arrays``."""
+
+    def __init__(self, features: Any, labels: Any = None):
+        self.features = jax.tree.map(np.asarray, features)
+        self.labels = None if labels is None else jax.tree.map(np.asarray, labels)
+        sizes = {}
+        for part, tree in (("features", self.features), ("labels", self.labels)):
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+                if leaf.ndim == 0:
+                    raise ValueError(f"from_arrays: {part}{jax.tree_util.keystr(path)} is a scalar; "
+                                     "expected an array with one row per example.")
+                sizes[f"{part}{jax.tree_util.keystr(path)}"] = leaf.shape[0]
+        if not sizes:
+            raise ValueError("from_arrays: received no arrays; expected features with one row per example.")
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"from_arrays: arrays differ in their number of examples: {sizes}; "
+                             "expected one leading size shared by features and labels.")
+        self._size = next(iter(sizes.values()))
+
+    def __len__(self) -> int:
+        return self._size
+
+    def _take(self, index: np.ndarray):
+        take = lambda x: x[index]  # noqa: E731
+        labels = None if self.labels is None else jax.tree.map(take, self.labels)
+        return jax.tree.map(take, self.features), labels
+
+    def _shard(self, process_index: int, process_count: int) -> np.ndarray:
+        return np.arange(process_index, self._size, process_count)
+
+    def steps_per_epoch(self, host_batch_size: int, process_count: int = 1) -> int:
+        return (self._size // process_count) // host_batch_size
+
+    def train_batches(self, host_batch_size: int, *, seed: int, start_step: int = 0,
+                      process_index: int = 0, process_count: int = 1) -> Iterator:
+        """Endless shuffled batches from step ``start_step`` on, reshuffled every epoch."""
+        rows = self._shard(process_index, process_count)[: self._size // process_count]
+        per_epoch = len(rows) // host_batch_size
+        if per_epoch == 0:
+            raise ValueError(
+                f"The training set has {len(rows)} examples per process, fewer than one batch of "
+                f"{host_batch_size}; expected at least one full batch. Fix: lower train_batch_size."
+            )
+        epoch, first = divmod(start_step, per_epoch)
+        for epoch in itertools.count(epoch):
+            order = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
+            for i in range(first, per_epoch):
+                yield self._take(order[i * host_batch_size:(i + 1) * host_batch_size])
+            first = 0
+
+    def eval_batches(self, host_batch_size: int, *, process_index: int = 0,
+                     process_count: int = 1) -> Iterator:
+        """Every example of this process once, in order; the last batch may be short."""
+        rows = self._shard(process_index, process_count)
+        for i in range(0, len(rows), host_batch_size):
+            yield self._take(rows[i:i + host_batch_size])
+
+
+def from_arrays(features: Any, labels: Any = None) -> ArrayDataset:
+    """An input from numpy arrays (or dicts/pytrees of them) with one row per example.
+
+    ``labels`` may be ``None`` (prediction). Training shuffles with the run's
+    seed and repeats; evaluation and prediction visit every example once.
+    """
+    return ArrayDataset(features, labels)

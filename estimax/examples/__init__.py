@@ -1,0 +1,1 @@
+"""Runnable example models used by the CLI and the documentation."""

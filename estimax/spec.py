@@ -1,0 +1,45 @@
+"""The model_fn contract: the three modes and the ``Spec`` a model_fn returns.
+
+Owns only the vocabulary shared by user code and the engine; checking a
+returned Spec against the batch lives in ``step.py``, where shapes are known.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+
+class Mode(str, enum.Enum):
+    """What the engine is asking the model_fn for."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    PREDICT = "predict"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+TRAIN = Mode.TRAIN
+EVAL = Mode.EVAL
+PREDICT = Mode.PREDICT
+
+
+class Spec(NamedTuple):
+    """What a model_fn returns.
+
+    Attributes:
+      loss: required in TRAIN, optional in EVAL. Either per-example values with
+        the batch as leading axis (shape ``(batch,)``), which the engine averages
+        over the valid examples only, or a scalar, accepted only where no
+        padding can occur (training, or an evaluation batch that is full).
+      predictions: required in PREDICT. An array or a dict of arrays, each with
+        the batch as leading axis.
+      metrics: optional dict of name -> per-example values ``(batch,)`` (bool
+        or numeric) or scalars, averaged like ``loss``.
+    """
+
+    loss: Any = None
+    predictions: Any = None
+    metrics: dict[str, Any] | None = None

@@ -1,0 +1,151 @@
+"""The pure compiled core: one training step, the device loop, eval and predict.
+
+Every function here is a pure function of pytrees, traced once and compiled
+with explicit shardings by ``loop.py``. The checks of what a model_fn returns
+run while tracing, so a wrong Spec fails before anything is compiled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from estimax import metrics as metrics_lib
+from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
+from estimax.state import TrainState
+
+Batch = tuple[Any, Any]  # (features, labels); labels may be None in PREDICT
+
+
+class Core:
+    """The pure functions of one model: what runs on the device per step.
+
+    Args:
+      adapter: the model adapter (``model.NNXAdapter``).
+      model_fn: ``model_fn(model, features, labels, mode, params) -> Spec``.
+      optimizer: an optax ``GradientTransformation``.
+      hparams: the user's params; ``batch_size`` is set per mode by the caller.
+    """
+
+    def __init__(self, adapter, model_fn: Callable, optimizer: optax.GradientTransformation,
+                 hparams: dict, seed: int):
+        self.adapter = adapter
+        self.model_fn = model_fn
+        self.optimizer = optimizer
+        self.hparams = hparams
+        self.seed = seed
+
+    # -- state ---------------------------------------------------------------
+    def init_state(self) -> TrainState:
+        params, model_state = self.adapter.init()
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            model_state=model_state,
+            rng=jax.random.key_data(jax.random.key(self.seed)),
+        )
+
+    def _key(self, state: TrainState) -> jax.Array:
+        return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+
+    def _call(self, params, state: TrainState, batch: Batch, mode: Mode, batch_size: int):
+        module = self.adapter.bind(params, state.model_state, mode, self._key(state))
+        features, labels = batch
+        spec = self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size})
+        return check_spec(spec, mode, batch_size), module
+
+    # -- training ------------------------------------------------------------
+    def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        """One optimizer step on the global batch; returns the per-step outputs."""
+        batch_size = _batch_size(batch)
+
+        def loss_fn(params):
+            spec, module = self._call(params, state, batch, TRAIN, batch_size)
+            return jnp.mean(spec.loss), (spec, self.adapter.model_state(module))
+
+        (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        outputs = {"loss": loss}
+        outputs.update({k: jnp.mean(jnp.asarray(v, jnp.float32)) for k, v in (spec.metrics or {}).items()})
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
+
+    def train_loop(self, state: TrainState, stack: Batch) -> tuple[TrainState, dict]:
+        """``steps_per_loop`` steps as one ``lax.scan`` over a stack of batches."""
+        return jax.lax.scan(self.train_step, state, stack)
+
+    def train_step_at(self, state: TrainState, stack: Batch, index: jax.Array):
+        """Step ``index`` of a stack: the per-step alternative to ``train_loop``."""
+        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), stack)
+        return self.train_step(state, batch)
+
+    # -- evaluation and prediction -------------------------------------------
+    def eval_values(self, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        """The loss and metrics of one batch, per example or scalar, by name."""
+        spec, _ = self._call(state.params, state, batch, EVAL, _batch_size(batch))
+        values = {"loss": spec.loss} if spec.loss is not None else {}
+        values.update(spec.metrics or {})
+        return values
+
+    def eval_step(self, state: TrainState, totals: dict, batch: Batch, mask: jax.Array) -> dict:
+        """Adds the masked sums of one padded batch to ``totals``."""
+        values = self.eval_values(state, batch)
+        return {k: totals[k].merge(metrics_lib.Mean.from_values(values[k], mask)) for k in totals}
+
+    def predict_step(self, state: TrainState, batch: Batch):
+        spec, _ = self._call(state.params, state, batch, PREDICT, _batch_size(batch))
+        return spec.predictions
+
+
+def _batch_size(batch: Batch) -> int:
+    return jax.tree.leaves(batch[0])[0].shape[0]
+
+
+def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
+    """Raises a TypeError/ValueError naming what a model_fn returned that cannot work."""
+    if not isinstance(spec, Spec):
+        raise TypeError(
+            f"model_fn returned {type(spec).__name__} in {mode} mode; expected estimax.Spec, "
+            "e.g. `return ex.Spec(loss=per_example_loss, metrics={...})`."
+        )
+    if mode == TRAIN and spec.loss is None:
+        raise ValueError(
+            "model_fn returned Spec(loss=None) in TRAIN mode; training needs a loss: "
+            "`return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))`."
+        )
+    if mode == PREDICT:
+        if spec.predictions is None:
+            raise ValueError(
+                "model_fn returned Spec(predictions=None) in PREDICT mode; expected an array or "
+                "a dict of arrays with the batch as leading axis, e.g. "
+                "`if mode == ex.PREDICT: return ex.Spec(predictions={'class': logits.argmax(-1)})`."
+            )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(spec.predictions):
+            shape = jnp.shape(leaf)
+            if not shape or shape[0] != batch_size:
+                raise ValueError(
+                    f"model_fn prediction {_name(path)} has shape {shape}; expected the batch "
+                    f"({batch_size}) as leading axis, one row per example."
+                )
+        return spec
+    named = {"loss": spec.loss} if spec.loss is not None else {}
+    if spec.metrics is not None and not isinstance(spec.metrics, dict):
+        raise TypeError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
+    named.update({f"metrics[{k!r}]": v for k, v in (spec.metrics or {}).items()})
+    for name, value in named.items():
+        shape = jnp.shape(value)
+        if shape not in ((), (batch_size,)):
+            raise ValueError(
+                f"model_fn {name} has shape {shape} in {mode} mode; expected per-example values "
+                f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
+                "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
+            )
+    return spec
+
+
+def _name(path) -> str:
+    return "".join(str(p) for p in path) or "predictions"
