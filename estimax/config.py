@@ -33,6 +33,7 @@ class RunConfig:
       save_every_steps: a checkpoint is written when a multiple is crossed (at
         loop boundaries) and at the end of training; ``None``: only at the end.
       keep_checkpoints: how many recent checkpoints are kept.
+      num_devices: use the first N devices (default: all devices of all processes).
     """
 
     model_dir: str | os.PathLike | None = None
@@ -45,11 +46,12 @@ class RunConfig:
     log_every_steps: int = 100
     save_every_steps: int | None = 1000
     keep_checkpoints: int = 3
+    num_devices: int | None = None
 
     def __post_init__(self):
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "keep_checkpoints"):
             _check_positive(name, getattr(self, name))
-        for name in ("eval_batch_size", "predict_batch_size", "save_every_steps"):
+        for name in ("eval_batch_size", "predict_batch_size", "save_every_steps", "num_devices"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.loop not in LOOP_MODES:

@@ -48,7 +48,7 @@ class Estimator:
                             "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`.")
         self.config = config = config or RunConfig()
         self.params = dict(params or {})
-        self.mesh = mesh_lib.make_mesh()
+        self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
         self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer,
                           self.params, config.seed)
         self._replicated = mesh_lib.replicated(self.mesh)
@@ -202,6 +202,14 @@ def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
     logger.info("An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
                 per_epoch, host_batch * jax.process_count(), dropped)
     return value * per_epoch
+
+
+def _devices(num_devices: int | None) -> list:
+    devices = jax.devices()
+    if num_devices is not None and num_devices > len(devices):
+        raise ValueError(f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
+                         f"expected at most {len(devices)}.")
+    return devices[:num_devices]
 
 
 def _check_model_fn(model_fn) -> None:

@@ -36,10 +36,15 @@ class TrainRunner:
 
     def __init__(self, core, mesh, loop: str, steps_per_loop: int):
         rep, stack = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh, stacked=True)
+        batch = mesh_lib.batch_sharding(mesh)
         self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack),
                             out_shardings=(rep, rep), donate_argnums=0)
-        self.step = jax.jit(core.train_step_at, in_shardings=(rep, stack, rep),
+        self.step = jax.jit(core.train_step, in_shardings=(rep, batch),
                             out_shardings=(rep, rep), donate_argnums=0)
+        # Separate from the step so that a shorter final stack recompiles only this slice.
+        self._batch_at = jax.jit(
+            lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
+            out_shardings=batch)
         self._slice = jax.jit(lambda s, start, stop: jax.tree.map(lambda x: x[start:stop], s),
                               static_argnums=(1, 2), out_shardings=stack)
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
@@ -61,7 +66,7 @@ class TrainRunner:
     def _steps(self, state, stack, indices):
         outputs = []
         for i in indices:
-            state, out = self.step(state, stack, self._indices[i])
+            state, out = self.step(state, self._batch_at(stack, self._indices[i]))
             outputs.append(out)
             if len(outputs) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(outputs[-MAX_STEPS_IN_FLIGHT - 1])  # host sync: bound the queue

@@ -37,4 +37,5 @@ class Mean(NamedTuple):
 
 
 def zeros(names) -> dict[str, Mean]:
-    return {n: Mean(jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32)) for n in names}
+    """Empty sums on the host, for an explicit ``device_put``."""
+    return {n: Mean(np.zeros((), np.float32), np.zeros((), np.int32)) for n in names}

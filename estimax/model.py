@@ -40,8 +40,9 @@ class NNXAdapter:
         self._seed = seed
         abstract = nnx.eval_shape(self._build)
         if not isinstance(abstract, nnx.Module):
+            kind = "an array or number" if isinstance(abstract, jax.ShapeDtypeStruct) else type(abstract).__name__
             raise TypeError(
-                f"Estimator(model=...) returned {type(abstract).__name__}; expected a Flax "
+                f"Estimator(model=...) returned {kind}; expected a Flax "
                 "nnx.Module from `model(rngs, params)`."
             )
         abstract.train()

@@ -78,11 +78,6 @@ class Core:
         """``steps_per_loop`` steps as one ``lax.scan`` over a stack of batches."""
         return jax.lax.scan(self.train_step, state, stack)
 
-    def train_step_at(self, state: TrainState, stack: Batch, index: jax.Array):
-        """Step ``index`` of a stack: the per-step alternative to ``train_loop``."""
-        batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), stack)
-        return self.train_step(state, batch)
-
     # -- evaluation and prediction -------------------------------------------
     def eval_values(self, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
         """The loss and metrics of one batch, per example or scalar, by name."""

@@ -1,0 +1,18 @@
+"""Every test sees 8 simulated CPU devices, as a TPU v2-8 host would."""
+
+import os
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX was initialised too early"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return str(tmp_path / "run")

@@ -1,0 +1,100 @@
+"""Array inputs and the feed: coverage, resume position, and clear errors on bad batches."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import estimax as ex
+from estimax.data import feed
+from models import blobs, estimator
+
+
+def test_each_epoch_visits_every_example_at_most_once_and_reshuffles():
+    ids = np.arange(1000)
+    data = ex.data.from_arrays({"id": ids}, ids)
+    per_epoch = data.steps_per_epoch(64)
+    assert per_epoch == 15
+    batches = [f["id"] for f, _ in itertools.islice(data.train_batches(64, seed=3), 3 * per_epoch)]
+    epochs = [np.concatenate(batches[e * per_epoch:(e + 1) * per_epoch]) for e in range(3)]
+    for seen in epochs:
+        assert len(seen) == 960 and len(np.unique(seen)) == 960
+    assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_train_batches_resume_from_any_step():
+    data = ex.data.from_arrays(*blobs(200))
+    full = list(itertools.islice(data.train_batches(16, seed=1), 40))
+    resumed = list(itertools.islice(data.train_batches(16, seed=1, start_step=27), 13))
+    for (a, la), (b, lb) in zip(full[27:], resumed):
+        np.testing.assert_array_equal(a["x"], b["x"])
+        np.testing.assert_array_equal(la, lb)
+
+
+def test_process_shards_are_disjoint_and_cover_the_data():
+    ids = np.arange(1001)
+    data = ex.data.from_arrays({"id": ids})
+    shards = [np.concatenate([f["id"] for f, _ in data.eval_batches(64, process_index=i, process_count=3)])
+              for i in range(3)]
+    assert sorted(np.concatenate(shards).tolist()) == ids.tolist()
+    train = [np.concatenate([f["id"] for f, _ in itertools.islice(
+        data.train_batches(16, seed=0, process_index=i, process_count=3), 20)]) for i in range(3)]
+    assert not set(train[0]) & set(train[1]) and not set(train[1]) & set(train[2])
+
+
+def test_from_arrays_checks_sizes():
+    with pytest.raises(ValueError, match=r"differ in their number of examples"):
+        ex.data.from_arrays({"x": np.zeros((10, 2))}, np.zeros(9))
+    with pytest.raises(ValueError, match=r"fewer than one batch of 32"):
+        next(ex.data.from_arrays({"x": np.zeros((10, 2))}).train_batches(32, seed=0))
+
+
+def _batches(*shapes_and_dtypes):
+    return [({"x": np.zeros(s, d)}, np.zeros(s[0], np.int32)) for s, d in shapes_and_dtypes]
+
+
+@pytest.mark.parametrize("batches, message", [
+    (_batches(((32, 6), np.float32), ((32, 5), np.float32)),
+     r"Input batch 1: features\['x'\] has per-example shape \(5,\) and dtype float32; expected \(6,\) float32"),
+    (_batches(((32, 6), np.float32), ((32, 6), np.float64)),
+     r"dtype float64; expected \(6,\) float32"),
+    ([({"x": np.zeros((32, 6), np.float32)}, np.zeros(32)), ({"y": np.zeros((32, 6), np.float32)}, np.zeros(32))],
+     r"missing: \[\"features\['x'\]\"\], unexpected: \[\"features\['y'\]\"\]"),
+    ([({"x": np.array([["a"] * 6] * 32)}, np.zeros(32))], r"features\['x'\] has dtype <U1; expected numbers"),
+    ([({"x": np.zeros((32, 6), np.float32)}, np.zeros(31))], r"labels has 31 rows; expected 32"),
+    (_batches(((32, 6), np.float32), ((16, 6), np.float32), ((32, 6), np.float32)),
+     r"Training input batch 1 has 16 rows; expected the host batch size 32"),
+])
+def test_bad_batches_are_named(batches, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        estimator(steps_per_loop=4).train(batches, max_steps=10)
+
+
+def test_inputs_must_yield_pairs():
+    with pytest.raises(TypeError, match=r"expected a \(features, labels\) tuple"):
+        estimator().train([np.zeros((32, 6))], max_steps=1)
+    with pytest.raises(TypeError, match=r"Input int is not supported"):
+        estimator().train(3, max_steps=1)
+
+
+def test_a_failed_input_leaves_checkpoints_intact(model_dir):
+    data = ex.data.from_arrays(*blobs(256))
+    estimator(model_dir).train(data, max_steps=8)
+    bad = _batches(((32, 6), np.float32), ((32, 7), np.float32))
+    with pytest.raises(ValueError):
+        estimator(model_dir).train(bad, steps=10)
+    assert estimator(model_dir).step == 8
+
+
+def test_prefetch_forwards_errors_and_stops():
+    def source():
+        yield 1
+        raise RuntimeError("broken source")
+    with feed.Prefetch(source()) as items:
+        assert next(items) == 1
+        with pytest.raises(RuntimeError, match="broken source"):
+            next(items)
+        with pytest.raises(StopIteration):
+            next(items)
+    with feed.Prefetch(itertools.count()) as endless:  # closing an unfinished producer returns
+        assert next(endless) == 0
