@@ -24,7 +24,8 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True),
+                max_to_keep=keep, enable_async_checkpointing=True, cleanup_tmp_directories=True
+            ),
         )
 
     def latest_step(self) -> int | None:

@@ -55,9 +55,7 @@ class RunConfig:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.loop not in LOOP_MODES:
-            raise ValueError(
-                f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}."
-            )
+            raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
-import numpy as np
 import optax
 
 from estimax import mesh as mesh_lib
@@ -40,20 +39,30 @@ class Estimator:
         ``params["batch_size"]`` is set to the global batch of the mode.
     """
 
-    def __init__(self, model: Callable, model_fn: Callable, optimizer: optax.GradientTransformation,
-                 config: RunConfig | None = None, params: dict | None = None):
+    def __init__(
+        self,
+        model: Callable,
+        model_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        config: RunConfig | None = None,
+        params: dict | None = None,
+    ):
         _check_model_fn(model_fn)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
-                            "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`.")
+            raise TypeError(
+                f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
+                "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`."
+            )
         self.config = config = config or RunConfig()
         self.params = dict(params or {})
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
-        self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer,
-                          self.params, config.seed)
+        self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer, self.params, config.seed)
         self._replicated = mesh_lib.replicated(self.mesh)
-        self._checkpointer = None if config.model_dir is None else Checkpointer(
-            config.model_dir, save_every_steps=config.save_every_steps, keep=config.keep_checkpoints)
+        self._checkpointer = (
+            None
+            if config.model_dir is None
+            else Checkpointer(config.model_dir, save_every_steps=config.save_every_steps, keep=config.keep_checkpoints)
+        )
         self._state, self._step = None, None
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
@@ -83,8 +92,9 @@ class Estimator:
         return self._core.adapter.live(state.params, state.model_state)
 
     # -- train ---------------------------------------------------------------
-    def train(self, input, *, max_steps: int | None = None, steps: int | None = None,
-              epochs: int | None = None) -> "Estimator":
+    def train(
+        self, input, *, max_steps: int | None = None, steps: int | None = None, epochs: int | None = None
+    ) -> Estimator:
         """Trains until ``max_steps`` (absolute), for ``steps`` more, or until ``epochs`` are done.
 
         ``epochs`` counts from step 0 like ``max_steps`` (a resumed run
@@ -99,11 +109,16 @@ class Estimator:
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return self
-        logger.info("Training steps %d -> %d: global batch %d on %d devices, %d steps per loop",
-                    start, target, cfg.train_batch_size, self.mesh.size, cfg.steps_per_loop)
+        logger.info(
+            "Training steps %d -> %d: global batch %d on %d devices, %d steps per loop",
+            start,
+            target,
+            cfg.train_batch_size,
+            self.mesh.size,
+            cfg.steps_per_loop,
+        )
         if self._train_runner is None:
-            self._train_runner = TrainRunner(self._core, self.mesh,
-                                             cfg.loop, cfg.steps_per_loop)
+            self._train_runner = TrainRunner(self._core, self.mesh, cfg.loop, cfg.steps_per_loop)
         runner = self._train_runner
         reporter = report.Reporter(cfg.model_dir, cfg.log_every_steps, cfg.train_batch_size)
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
@@ -179,15 +194,17 @@ class Estimator:
 def _rows(predictions, num_valid: int) -> Iterator:
     host = jax.tree.map(mesh_lib.to_host_local, predictions)  # host sync: this batch is done
     for i in range(num_valid):
-        yield jax.tree.map(lambda x: x[i], host)
+        yield jax.tree.map(lambda x, i=i: x[i], host)
 
 
 def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
     given = {k: v for k, v in (("max_steps", max_steps), ("steps", steps), ("epochs", epochs)) if v is not None}
     if len(given) != 1:
-        raise ValueError(f"train() received {given or 'none of max_steps, steps, epochs'}; "
-                         "expected exactly one of them, e.g. `train(data, max_steps=1000)`.")
-    (name, value), = given.items()
+        raise ValueError(
+            f"train() received {given or 'none of max_steps, steps, epochs'}; "
+            "expected exactly one of them, e.g. `train(data, max_steps=1000)`."
+        )
+    ((name, value),) = given.items()
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"train({name}={value!r}) must be a non-negative integer.")
     if name == "max_steps":
@@ -195,27 +212,37 @@ def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
     if name == "steps":
         return start + value
     if not hasattr(input, "steps_per_epoch"):
-        raise TypeError(f"train(epochs=...) needs an input of known size, e.g. estimax.data.from_arrays; "
-                        f"received {type(input).__name__}. Fix: pass max_steps or steps instead.")
+        raise TypeError(
+            f"train(epochs=...) needs an input of known size, e.g. estimax.data.from_arrays; "
+            f"received {type(input).__name__}. Fix: pass max_steps or steps instead."
+        )
     per_epoch = input.steps_per_epoch(host_batch, jax.process_count())
     dropped = len(input) - per_epoch * host_batch * jax.process_count()
-    logger.info("An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
-                per_epoch, host_batch * jax.process_count(), dropped)
+    logger.info(
+        "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
+        per_epoch,
+        host_batch * jax.process_count(),
+        dropped,
+    )
     return value * per_epoch
 
 
 def _devices(num_devices: int | None) -> list:
     devices = jax.devices()
     if num_devices is not None and num_devices > len(devices):
-        raise ValueError(f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
-                         f"expected at most {len(devices)}.")
+        raise ValueError(
+            f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
+            f"expected at most {len(devices)}."
+        )
     return devices[:num_devices]
 
 
 def _check_model_fn(model_fn) -> None:
     if not callable(model_fn):
-        raise TypeError(f"Estimator(model_fn={model_fn!r}) is not callable; expected "
-                        "`def model_fn(model, features, labels, mode, params) -> ex.Spec`.")
+        raise TypeError(
+            f"Estimator(model_fn={model_fn!r}) is not callable; expected "
+            "`def model_fn(model, features, labels, mode, params) -> ex.Spec`."
+        )
     try:
         inspect.signature(model_fn).bind(None, None, None, None, None)
     except TypeError:

@@ -37,16 +37,16 @@ class TrainRunner:
     def __init__(self, core, mesh, loop: str, steps_per_loop: int):
         rep, stack = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh, stacked=True)
         batch = mesh_lib.batch_sharding(mesh)
-        self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack),
-                            out_shardings=(rep, rep), donate_argnums=0)
-        self.step = jax.jit(core.train_step, in_shardings=(rep, batch),
-                            out_shardings=(rep, rep), donate_argnums=0)
+        self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack), out_shardings=(rep, rep), donate_argnums=0)
+        self.step = jax.jit(core.train_step, in_shardings=(rep, batch), out_shardings=(rep, rep), donate_argnums=0)
         # Separate from the step so that a shorter final stack recompiles only this slice.
         self._batch_at = jax.jit(
             lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
-            out_shardings=batch)
-        self._slice = jax.jit(lambda s, start, stop: jax.tree.map(lambda x: x[start:stop], s),
-                              static_argnums=(1, 2), out_shardings=stack)
+            out_shardings=batch,
+        )
+        self._slice = jax.jit(
+            lambda s, start, stop: jax.tree.map(lambda x: x[start:stop], s), static_argnums=(1, 2), out_shardings=stack
+        )
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
         if loop == "auto" and jax.default_backend() != "cpu":
             loop = "scan"  # the per-step penalty of a rolled loop is an XLA:CPU matter
@@ -95,8 +95,13 @@ class TrainRunner:
         timed(lambda: (lambda s, o: (s, [o]))(*self.scan(state, subs[0])))
         scan = timed(lambda: (lambda s, o: (s, [o]))(*self.scan(state, subs[1])))
         self.mode = "scan" if scan < per_step else "step"
-        logger.info("loop=auto: %d steps took %.2f ms as a scan and %.2f ms step by step; using %s",
-                    p, scan * 1e3, per_step * 1e3, self.mode)
+        logger.info(
+            "loop=auto: %d steps took %.2f ms as a scan and %.2f ms step by step; using %s",
+            p,
+            scan * 1e3,
+            per_step * 1e3,
+            self.mode,
+        )
         state, rest = self._steps(state, chunk.stack, range(4 * p, chunk.num_steps))
         return state, outputs + rest
 

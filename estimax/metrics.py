@@ -19,7 +19,7 @@ class Mean(NamedTuple):
     count: jax.Array
 
     @classmethod
-    def from_values(cls, values: jax.Array, mask: jax.Array) -> "Mean":
+    def from_values(cls, values: jax.Array, mask: jax.Array) -> Mean:
         """Sums of per-example ``values`` ``(batch,)`` or a batch-level scalar over valid rows."""
         valid = jnp.sum(mask, dtype=jnp.int32)
         values = jnp.asarray(values, jnp.float32)
@@ -28,7 +28,7 @@ class Mean(NamedTuple):
         # where(), not multiply: a NaN on a padded row must not leak into the sum.
         return cls(jnp.sum(jnp.where(mask, values, 0.0)), valid)
 
-    def merge(self, other: "Mean") -> "Mean":
+    def merge(self, other: Mean) -> Mean:
         return Mean(self.total + other.total, self.count + other.count)
 
     def compute(self) -> float:

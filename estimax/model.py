@@ -9,7 +9,8 @@ live module inside ``jit``.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,8 +43,7 @@ class NNXAdapter:
         if not isinstance(abstract, nnx.Module):
             kind = "an array or number" if isinstance(abstract, jax.ShapeDtypeStruct) else type(abstract).__name__
             raise TypeError(
-                f"Estimator(model=...) returned {kind}; expected a Flax "
-                "nnx.Module from `model(rngs, params)`."
+                f"Estimator(model=...) returned {kind}; expected a Flax nnx.Module from `model(rngs, params)`."
             )
         abstract.train()
         self._train_graph = nnx.split(abstract, nnx.Param, nnx.RngState, ...)[0]
@@ -72,8 +72,7 @@ class NNXAdapter:
         rngs = jax.tree.map(_placeholder, self._abstract_rngs)
         module = nnx.merge(graph, params, rngs, model_state)
         if self._rng_tags:
-            nnx.reseed(module, **{t: jax.random.fold_in(key, zlib.crc32(t.encode()))
-                                  for t in self._rng_tags})
+            nnx.reseed(module, **{t: jax.random.fold_in(key, zlib.crc32(t.encode())) for t in self._rng_tags})
         return module
 
     def live(self, params, model_state) -> nnx.Module:

@@ -10,15 +10,12 @@ import enum
 from typing import Any, NamedTuple
 
 
-class Mode(str, enum.Enum):
+class Mode(enum.StrEnum):
     """What the engine is asking the model_fn for."""
 
     TRAIN = "train"
     EVAL = "eval"
     PREDICT = "predict"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 TRAIN = Mode.TRAIN

@@ -11,11 +11,11 @@ from typing import Any, NamedTuple
 
 class TrainState(NamedTuple):
     """Attributes:
-      step: int32 scalar, the number of training steps taken.
-      params: trained parameters (an ``nnx.State`` of ``nnx.Param``).
-      opt_state: the optimizer's state.
-      model_state: non-trained model variables (batch statistics, ...).
-      rng: raw key data of the run's base key; step ``s`` uses ``fold_in(rng, s)``.
+    step: int32 scalar, the number of training steps taken.
+    params: trained parameters (an ``nnx.State`` of ``nnx.Param``).
+    opt_state: the optimizer's state.
+    model_state: non-trained model variables (batch statistics, ...).
+    rng: raw key data of the run's base key; step ``s`` uses ``fold_in(rng, s)``.
     """
 
     step: Any

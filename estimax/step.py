@@ -7,7 +7,8 @@ run while tracing, so a wrong Spec fails before anything is compiled.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,7 @@ class Core:
       hparams: the user's params; ``batch_size`` is set per mode by the caller.
     """
 
-    def __init__(self, adapter, model_fn: Callable, optimizer: optax.GradientTransformation,
-                 hparams: dict, seed: int):
+    def __init__(self, adapter, model_fn: Callable, optimizer: optax.GradientTransformation, hparams: dict, seed: int):
         self.adapter = adapter
         self.model_fn = model_fn
         self.optimizer = optimizer

@@ -42,5 +42,10 @@ def estimator(model_dir=None, *, lr=0.1, dropout=0.3, **config):
     config.setdefault("train_batch_size", 32)
     config.setdefault("steps_per_loop", 4)
     config.setdefault("log_every_steps", 10)
-    return ex.Estimator(model=mlp, model_fn=model_fn, optimizer=optax.sgd(lr),
-                        config=ex.RunConfig(model_dir=model_dir, **config), params={"dropout": dropout})
+    return ex.Estimator(
+        model=mlp,
+        model_fn=model_fn,
+        optimizer=optax.sgd(lr),
+        config=ex.RunConfig(model_dir=model_dir, **config),
+        params={"dropout": dropout},
+    )

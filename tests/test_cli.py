@@ -9,8 +9,9 @@ import sys
 
 def _estimax(*args, cwd=None):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the user's machine: real devices
-    result = subprocess.run([sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True,
-                            env=env, cwd=cwd, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

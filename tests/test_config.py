@@ -1,7 +1,7 @@
 import pytest
+from models import blobs, estimator
 
 import estimax as ex
-from models import blobs, estimator
 
 
 def test_batch_size_must_divide_the_devices():
@@ -12,11 +12,14 @@ def test_batch_size_must_divide_the_devices():
         estimator(eval_batch_size=4).evaluate(ex.data.from_arrays(*blobs(64)))
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("train_batch_size", 0, "must be a positive integer"),
-    ("steps_per_loop", 2.5, "must be a positive integer"),
-    ("loop", "unrolled", "expected one of"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("train_batch_size", 0, "must be a positive integer"),
+        ("steps_per_loop", 2.5, "must be a positive integer"),
+        ("loop", "unrolled", "expected one of"),
+    ],
+)
 def test_config_values_are_validated(field, value, message):
     with pytest.raises(ValueError, match=rf"{field}=.*{message}"):
         ex.RunConfig(**{field: value})

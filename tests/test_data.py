@@ -4,10 +4,10 @@ import itertools
 
 import numpy as np
 import pytest
+from models import blobs, estimator
 
 import estimax as ex
 from estimax.data import feed
-from models import blobs, estimator
 
 
 def test_each_epoch_visits_every_example_at_most_once_and_reshuffles():
@@ -16,7 +16,7 @@ def test_each_epoch_visits_every_example_at_most_once_and_reshuffles():
     per_epoch = data.steps_per_epoch(64)
     assert per_epoch == 15
     batches = [f["id"] for f, _ in itertools.islice(data.train_batches(64, seed=3), 3 * per_epoch)]
-    epochs = [np.concatenate(batches[e * per_epoch:(e + 1) * per_epoch]) for e in range(3)]
+    epochs = [np.concatenate(batches[e * per_epoch : (e + 1) * per_epoch]) for e in range(3)]
     for seen in epochs:
         assert len(seen) == 960 and len(np.unique(seen)) == 960
     assert not np.array_equal(epochs[0], epochs[1])
@@ -26,7 +26,7 @@ def test_train_batches_resume_from_any_step():
     data = ex.data.from_arrays(*blobs(200))
     full = list(itertools.islice(data.train_batches(16, seed=1), 40))
     resumed = list(itertools.islice(data.train_batches(16, seed=1, start_step=27), 13))
-    for (a, la), (b, lb) in zip(full[27:], resumed):
+    for (a, la), (b, lb) in zip(full[27:], resumed, strict=True):
         np.testing.assert_array_equal(a["x"], b["x"])
         np.testing.assert_array_equal(la, lb)
 
@@ -34,11 +34,16 @@ def test_train_batches_resume_from_any_step():
 def test_process_shards_are_disjoint_and_cover_the_data():
     ids = np.arange(1001)
     data = ex.data.from_arrays({"id": ids})
-    shards = [np.concatenate([f["id"] for f, _ in data.eval_batches(64, process_index=i, process_count=3)])
-              for i in range(3)]
+    shards = [
+        np.concatenate([f["id"] for f, _ in data.eval_batches(64, process_index=i, process_count=3)]) for i in range(3)
+    ]
     assert sorted(np.concatenate(shards).tolist()) == ids.tolist()
-    train = [np.concatenate([f["id"] for f, _ in itertools.islice(
-        data.train_batches(16, seed=0, process_index=i, process_count=3), 20)]) for i in range(3)]
+    train = [
+        np.concatenate(
+            [f["id"] for f, _ in itertools.islice(data.train_batches(16, seed=0, process_index=i, process_count=3), 20)]
+        )
+        for i in range(3)
+    ]
     assert not set(train[0]) & set(train[1]) and not set(train[1]) & set(train[2])
 
 
@@ -53,18 +58,29 @@ def _batches(*shapes_and_dtypes):
     return [({"x": np.zeros(s, d)}, np.zeros(s[0], np.int32)) for s, d in shapes_and_dtypes]
 
 
-@pytest.mark.parametrize("batches, message", [
-    (_batches(((32, 6), np.float32), ((32, 5), np.float32)),
-     r"Input batch 1: features\['x'\] has per-example shape \(5,\) and dtype float32; expected \(6,\) float32"),
-    (_batches(((32, 6), np.float32), ((32, 6), np.float64)),
-     r"dtype float64; expected \(6,\) float32"),
-    ([({"x": np.zeros((32, 6), np.float32)}, np.zeros(32)), ({"y": np.zeros((32, 6), np.float32)}, np.zeros(32))],
-     r"missing: \[\"features\['x'\]\"\], unexpected: \[\"features\['y'\]\"\]"),
-    ([({"x": np.array([["a"] * 6] * 32)}, np.zeros(32))], r"features\['x'\] has dtype <U1; expected numbers"),
-    ([({"x": np.zeros((32, 6), np.float32)}, np.zeros(31))], r"labels has 31 rows; expected 32"),
-    (_batches(((32, 6), np.float32), ((16, 6), np.float32), ((32, 6), np.float32)),
-     r"Training input batch 1 has 16 rows; expected the host batch size 32"),
-])
+@pytest.mark.parametrize(
+    "batches, message",
+    [
+        (
+            _batches(((32, 6), np.float32), ((32, 5), np.float32)),
+            r"Input batch 1: features\['x'\] has per-example shape \(5,\) and dtype float32; expected \(6,\) float32",
+        ),
+        (_batches(((32, 6), np.float32), ((32, 6), np.float64)), r"dtype float64; expected \(6,\) float32"),
+        (
+            [
+                ({"x": np.zeros((32, 6), np.float32)}, np.zeros(32)),
+                ({"y": np.zeros((32, 6), np.float32)}, np.zeros(32)),
+            ],
+            r"missing: \[\"features\['x'\]\"\], unexpected: \[\"features\['y'\]\"\]",
+        ),
+        ([({"x": np.array([["a"] * 6] * 32)}, np.zeros(32))], r"features\['x'\] has dtype <U1; expected numbers"),
+        ([({"x": np.zeros((32, 6), np.float32)}, np.zeros(31))], r"labels has 31 rows; expected 32"),
+        (
+            _batches(((32, 6), np.float32), ((16, 6), np.float32), ((32, 6), np.float32)),
+            r"Training input batch 1 has 16 rows; expected the host batch size 32",
+        ),
+    ],
+)
 def test_bad_batches_are_named(batches, message):
     with pytest.raises((ValueError, TypeError), match=message):
         estimator(steps_per_loop=4).train(batches, max_steps=10)
@@ -90,6 +106,7 @@ def test_prefetch_forwards_errors_and_stops():
     def source():
         yield 1
         raise RuntimeError("broken source")
+
     with feed.Prefetch(source()) as items:
         assert next(items) == 1
         with pytest.raises(RuntimeError, match="broken source"):

@@ -10,9 +10,9 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from models import MLP, blobs, estimator, model_fn
 
 import estimax as ex
-from models import MLP, blobs, estimator, model_fn
 
 
 def _param_leaves(est):
@@ -20,7 +20,7 @@ def _param_leaves(est):
 
 
 def _max_relative(a, b):
-    return max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12)) for x, y in zip(a, b))
+    return max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12)) for x, y in zip(a, b, strict=True))
 
 
 def test_training_matches_a_handwritten_jit_loop():
@@ -38,6 +38,7 @@ def test_training_matches_a_handwritten_jit_loop():
         def loss(p):
             logits = nnx.merge(graphdef, p, rest)(x)
             return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
         updates, opt_state = optimizer.update(jax.grad(loss)(params), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -104,8 +105,11 @@ def test_evaluate_counts_every_example_once():
     results = est.evaluate(ex.data.from_arrays(features, labels))
 
     logits = np.asarray(est.model()(jnp.asarray(features["x"])))
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     assert results["num_examples"] == 1001
     np.testing.assert_allclose(results["accuracy"], np.mean(logits.argmax(-1) == labels), rtol=1e-6)
     np.testing.assert_allclose(results["loss"], -np.mean(log_probs[np.arange(1001), labels]), rtol=1e-5)
@@ -135,8 +139,12 @@ def _scalar_metric_fn(model, features, labels, mode, params):
 
 
 def test_scalar_metrics_are_refused_only_on_padded_batches():
-    est = ex.Estimator(model=lambda rngs, p: MLP(rngs), model_fn=_scalar_metric_fn, optimizer=optax.sgd(0.1),
-                       config=ex.RunConfig(train_batch_size=32, eval_batch_size=64))
+    est = ex.Estimator(
+        model=lambda rngs, p: MLP(rngs),
+        model_fn=_scalar_metric_fn,
+        optimizer=optax.sgd(0.1),
+        config=ex.RunConfig(train_batch_size=32, eval_batch_size=64),
+    )
     full = est.evaluate(ex.data.from_arrays(*blobs(1024)))
     assert full["num_examples"] == 1024
     with pytest.raises(ValueError, match=r"scalar \['accuracy'\].*padded \(41 valid rows\)"):
@@ -145,7 +153,7 @@ def test_scalar_metrics_are_refused_only_on_padded_batches():
 
 def test_plain_iterables_of_host_batches():
     features, labels = blobs(320)
-    batches = [({"x": features["x"][i:i + 32]}, labels[i:i + 32]) for i in range(0, 320, 32)]
+    batches = [({"x": features["x"][i : i + 32]}, labels[i : i + 32]) for i in range(0, 320, 32)]
     est = estimator(steps_per_loop=4).train(batches, max_steps=100)
     assert est.step == 10  # the input ran out
     assert est.evaluate(batches)["num_examples"] == 320
@@ -166,7 +174,7 @@ def test_checkpoints_restore_in_a_new_estimator(model_dir):
     assert sorted(int(d) for d in os.listdir(os.path.join(model_dir, "checkpoints"))) == [4, 8, 12]
     second = estimator(model_dir, save_every_steps=4)
     assert second.step == 12
-    for a, b in zip(_param_leaves(first), _param_leaves(second)):
+    for a, b in zip(_param_leaves(first), _param_leaves(second), strict=True):
         np.testing.assert_array_equal(a, b)
     assert second.evaluate(data) == first.evaluate(data)
     second.train(data, steps=4)
@@ -181,7 +189,8 @@ def test_metrics_file_logs_crossed_steps_and_evaluations(model_dir):
         records = [json.loads(line) for line in f]
     train = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train] == [12, 20, 24]  # loops end at 4, 8, 12, ...: 10 and 20 crossed, then the end
-    assert all(isinstance(r[k], float) for r in train for k in ("loss", "accuracy", "steps_per_sec", "examples_per_sec"))
+    keys = ("loss", "accuracy", "steps_per_sec", "examples_per_sec")
+    assert all(isinstance(r[k], float) for r in train for k in keys)
     (evaluation,) = [r for r in records if r["split"] == "eval"]
     assert evaluation["step"] == 24 and evaluation["num_examples"] == 256
 
@@ -189,7 +198,7 @@ def test_metrics_file_logs_crossed_steps_and_evaluations(model_dir):
 def test_loops_make_no_implicit_transfers():
     data = ex.data.from_arrays(*blobs(256))
     est = estimator(loop="scan")
-    est.step  # initialise outside the guard
+    assert est.step == 0  # initialises outside the guard
     with jax.transfer_guard("disallow"):
         est.train(data, max_steps=8)
         est.evaluate(data)

@@ -10,7 +10,8 @@ per epoch. Evaluation batches run in order and keep the final partial batch.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,14 +27,18 @@ class ArrayDataset:
         for part, tree in (("features", self.features), ("labels", self.labels)):
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
                 if leaf.ndim == 0:
-                    raise ValueError(f"from_arrays: {part}{jax.tree_util.keystr(path)} is a scalar; "
-                                     "expected an array with one row per example.")
+                    raise ValueError(
+                        f"from_arrays: {part}{jax.tree_util.keystr(path)} is a scalar; "
+                        "expected an array with one row per example."
+                    )
                 sizes[f"{part}{jax.tree_util.keystr(path)}"] = leaf.shape[0]
         if not sizes:
             raise ValueError("from_arrays: received no arrays; expected features with one row per example.")
         if len(set(sizes.values())) != 1:
-            raise ValueError(f"from_arrays: arrays differ in their number of examples: {sizes}; "
-                             "expected one leading size shared by features and labels.")
+            raise ValueError(
+                f"from_arrays: arrays differ in their number of examples: {sizes}; "
+                "expected one leading size shared by features and labels."
+            )
         self._size = next(iter(sizes.values()))
 
     def __len__(self) -> int:
@@ -50,8 +55,9 @@ class ArrayDataset:
     def steps_per_epoch(self, host_batch_size: int, process_count: int = 1) -> int:
         return (self._size // process_count) // host_batch_size
 
-    def train_batches(self, host_batch_size: int, *, seed: int, start_step: int = 0,
-                      process_index: int = 0, process_count: int = 1) -> Iterator:
+    def train_batches(
+        self, host_batch_size: int, *, seed: int, start_step: int = 0, process_index: int = 0, process_count: int = 1
+    ) -> Iterator:
         """Endless shuffled batches from step ``start_step`` on, reshuffled every epoch."""
         rows = self._shard(process_index, process_count)[: self._size // process_count]
         per_epoch = len(rows) // host_batch_size
@@ -60,19 +66,18 @@ class ArrayDataset:
                 f"The training set has {len(rows)} examples per process, fewer than one batch of "
                 f"{host_batch_size}; expected at least one full batch. Fix: lower train_batch_size."
             )
-        epoch, first = divmod(start_step, per_epoch)
-        for epoch in itertools.count(epoch):
+        first_epoch, first = divmod(start_step, per_epoch)
+        for epoch in itertools.count(first_epoch):
             order = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
             for i in range(first, per_epoch):
-                yield self._take(order[i * host_batch_size:(i + 1) * host_batch_size])
+                yield self._take(order[i * host_batch_size : (i + 1) * host_batch_size])
             first = 0
 
-    def eval_batches(self, host_batch_size: int, *, process_index: int = 0,
-                     process_count: int = 1) -> Iterator:
+    def eval_batches(self, host_batch_size: int, *, process_index: int = 0, process_count: int = 1) -> Iterator:
         """Every example of this process once, in order; the last batch may be short."""
         rows = self._shard(process_index, process_count)
         for i in range(0, len(rows), host_batch_size):
-            yield self._take(rows[i:i + host_batch_size])
+            yield self._take(rows[i : i + host_batch_size])
 
 
 def from_arrays(features: Any, labels: Any = None) -> ArrayDataset:

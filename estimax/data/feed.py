@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -37,19 +38,26 @@ class DeviceBatch(NamedTuple):
 
 # -- host batches -------------------------------------------------------------
 
+
 def train_batches(source, host_batch_size: int, *, seed: int, start_step: int) -> Iterator:
     """Full host batches of training input, from ``start_step`` on where the source can seek."""
     if hasattr(source, "train_batches"):
-        return source.train_batches(host_batch_size, seed=seed, start_step=start_step,
-                                    process_index=jax.process_index(), process_count=jax.process_count())
+        return source.train_batches(
+            host_batch_size,
+            seed=seed,
+            start_step=start_step,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
     return _drop_final_partial(_iterate(source), host_batch_size)
 
 
 def eval_batches(source, host_batch_size: int) -> Iterator:
     """Every host batch of evaluation input once; the last one may be short."""
     if hasattr(source, "eval_batches"):
-        return source.eval_batches(host_batch_size, process_index=jax.process_index(),
-                                   process_count=jax.process_count())
+        return source.eval_batches(
+            host_batch_size, process_index=jax.process_index(), process_count=jax.process_count()
+        )
     return _iterate(source)
 
 
@@ -91,26 +99,35 @@ def _rows(batch) -> int:
 
 
 class BatchChecker:
-    """Checks that every batch matches the first: same features, shapes and numeric dtypes."""
+    """Checks that every batch matches the first: same features, shapes and numeric dtypes.
+
+    The first batch is described in full; later ones are compared by a cheap
+    signature and described only when it differs (this runs once per batch).
+    """
 
     def __init__(self):
+        self._signature = None
         self._expected = None
         self._count = 0
 
     def __call__(self, batch) -> Any:
-        batch = jax.tree.map(np.asarray, batch)
-        found = _describe(batch)
-        if self._expected is None:
-            self._expected = found
-        elif found != self._expected:
-            raise ValueError(f"Input batch {self._count}: {_difference(self._expected, found)}")
+        leaves, treedef = jax.tree.flatten(batch)
+        leaves = [np.asarray(x) for x in leaves]
+        signature = (treedef, tuple((x.shape[1:], x.dtype) for x in leaves), {x.shape[:1] for x in leaves})
+        if signature != self._signature:
+            batch = jax.tree.unflatten(treedef, leaves)
+            found = _describe(batch)
+            if self._expected is None:
+                self._expected, self._signature = found, signature
+            elif found != self._expected:
+                raise ValueError(f"Input batch {self._count}: {_difference(self._expected, found)}")
         self._count += 1
-        return batch
+        return jax.tree.unflatten(treedef, leaves)
 
 
 def _describe(batch) -> dict[str, tuple]:
     described, rows = {}, None
-    for part, tree in zip(("features", "labels"), batch):
+    for part, tree in zip(("features", "labels"), batch, strict=True):
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             name = part + jax.tree_util.keystr(path)
             if leaf.dtype.kind not in "biuf":
@@ -121,8 +138,10 @@ def _describe(batch) -> dict[str, tuple]:
             if leaf.ndim == 0:
                 raise ValueError(f"Input {name} is a scalar; expected one row per example.")
             if rows is not None and leaf.shape[0] != rows:
-                raise ValueError(f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "
-                                 "other arrays of the batch (one row per example).")
+                raise ValueError(
+                    f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "
+                    "other arrays of the batch (one row per example)."
+                )
             rows = leaf.shape[0]
             described[name] = (leaf.shape[1:], leaf.dtype)
     return described
@@ -131,15 +150,20 @@ def _describe(batch) -> dict[str, tuple]:
 def _difference(expected: dict, found: dict) -> str:
     missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
     if missing or extra:
-        return (f"received arrays {sorted(found)}; expected {sorted(expected)} as in the first batch "
-                f"(missing: {missing or 'none'}, unexpected: {extra or 'none'}).")
+        return (
+            f"received arrays {sorted(found)}; expected {sorted(expected)} as in the first batch "
+            f"(missing: {missing or 'none'}, unexpected: {extra or 'none'})."
+        )
     name = next(k for k in expected if expected[k] != found[k])
     (shape, dtype), (want_shape, want_dtype) = found[name], expected[name]
-    return (f"{name} has per-example shape {shape} and dtype {dtype}; expected {want_shape} {want_dtype} "
-            "as in the first batch. Every batch must have the same shapes and dtypes.")
+    return (
+        f"{name} has per-example shape {shape} and dtype {dtype}; expected {want_shape} {want_dtype} "
+        "as in the first batch. Every batch must have the same shapes and dtypes."
+    )
 
 
 # -- host -> device -----------------------------------------------------------
+
 
 def train_chunks(batches: Iterator, chunk_sizes: Iterable[int], mesh, global_batch_size: int) -> Iterator[DeviceChunk]:
     """Stacks of training batches on the mesh, one per entry of ``chunk_sizes``.
@@ -164,11 +188,13 @@ def eval_device_batches(batches: Iterator, mesh, global_batch_size: int) -> Iter
         batch = check(batch)
         rows = _rows(batch)
         if rows > host_size:
-            raise ValueError(f"Input batch has {rows} rows; expected at most the host batch size "
-                             f"{host_size} (eval/predict batch size / process count).")
-        pad = lambda x: np.pad(x, [(0, host_size - rows)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+            raise ValueError(
+                f"Input batch has {rows} rows; expected at most the host batch size "
+                f"{host_size} (eval/predict batch size / process count)."
+            )
+        padded = jax.tree.map(lambda x, n=host_size - rows: np.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1)), batch)
         mask = np.arange(host_size) < rows
-        on_mesh = mesh_lib.to_global((jax.tree.map(pad, batch), mask), sharding, global_batch_size)
+        on_mesh = mesh_lib.to_global((padded, mask), sharding, global_batch_size)
         yield DeviceBatch(on_mesh[0], on_mesh[1], rows, rows < host_size)
 
 
@@ -194,8 +220,7 @@ class Prefetch:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
-        self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True,
-                                        name="estimax-prefetch")
+        self._thread = threading.Thread(target=self._run, args=(iterator,), daemon=True, name="estimax-prefetch")
         self._thread.start()
 
     def _run(self, iterator):

@@ -58,7 +58,8 @@ def load() -> tuple[ex.data.ArrayDataset, ex.data.ArrayDataset]:
     images = (digits.images / 16.0).astype(np.float32)
     labels = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(
-        images, labels, test_size=HELD_OUT_FRACTION, random_state=SPLIT_SEED, stratify=labels)
+        images, labels, test_size=HELD_OUT_FRACTION, random_state=SPLIT_SEED, stratify=labels
+    )
     return ex.data.from_arrays({"image": x_train}, y_train), ex.data.from_arrays({"image": x_test}, y_test)
 
 
@@ -67,5 +68,10 @@ def optimizer(learning_rate: float = 0.05) -> optax.GradientTransformation:
 
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:
-    return ex.Estimator(model=build_model, model_fn=model_fn, optimizer=optimizer(),
-                        config=config, params={"image_size": 8, "num_classes": 10})
+    return ex.Estimator(
+        model=build_model,
+        model_fn=model_fn,
+        optimizer=optimizer(),
+        config=config,
+        params={"image_size": 8, "num_classes": 10},
+    )

@@ -1,0 +1,263 @@
+"""Steady-state training throughput: estimax against hand-written JAX loops.
+
+Trains three models (a tiny host-bound MLP, a small LSTM and the TF official
+MNIST CNN) on synthetic data, in one process, with three contenders that share
+the model definition, the optimizer and the input (host numpy arrays, a fresh
+permutation per epoch, rows gathered per batch):
+
+- ``jit_step``: one ``jax.jit`` call per step (state donated), at most ~10 in flight;
+- ``jit_scan``: one ``jax.jit`` of ``lax.scan`` over K stacked batches per call;
+- ``estimax``:  ``Estimator.train`` with ``loop="auto"`` and the same K.
+
+Each contender is warmed up first (compilation excluded), then timed windows
+alternate between contenders for a few rounds; the best steps/s of each is
+kept. One JSON line per workload goes to stdout, with
+``ratio_vs_best_reference = estimax / max(jit_step, jit_scan)`` (target >= 0.95).
+
+Run: ``python benchmarks/loops.py [--quick] [--workloads mlp,lstm,cnn]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import estimax as ex
+
+IN_FLIGHT = 10  # the jit_step reference waits on the step this many calls back
+
+
+# -- models ---------------------------------------------------------------------
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(784, 64, rngs=rngs)
+        self.out = nnx.Linear(64, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+class LSTM(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, units: int = 10, features: int = 10):
+        self.units = units
+        self.rnn = nnx.RNN(nnx.OptimizedLSTMCell(features, units, rngs=rngs))
+        self.head = nnx.Linear(units, 10, rngs=rngs)
+
+    def __call__(self, x):
+        zeros = jnp.zeros((x.shape[0], self.units), x.dtype)  # explicit carry: no RNG use at call time
+        (_, hidden), _ = self.rnn(x, initial_carry=(zeros, zeros), return_carry=True)
+        return self.head(hidden)
+
+
+class CNN(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 32, (5, 5), padding="SAME", rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (5, 5), padding="SAME", rngs=rngs)
+        self.dense = nnx.Linear(7 * 7 * 64, 1024, rngs=rngs)
+        self.dropout = nnx.Dropout(0.4, rngs=rngs)
+        self.out = nnx.Linear(1024, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.max_pool(nnx.relu(self.conv1(x)), (2, 2), (2, 2))
+        x = nnx.max_pool(nnx.relu(self.conv2(x)), (2, 2), (2, 2))
+        return self.out(self.dropout(nnx.relu(self.dense(x.reshape(x.shape[0], -1)))))
+
+
+def cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def squared_error(predictions, labels):
+    return jnp.mean((predictions - labels) ** 2, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str
+    build: Callable[[nnx.Rngs], nnx.Module]
+    loss: Callable  # (outputs, labels) -> per-example loss (batch,)
+    x_shape: tuple[int, ...]  # per example
+    y_shape: tuple[int, ...] | None  # per example float targets; None: int class labels
+    batch: int
+    learning_rate: float
+    steps_per_loop: int  # K
+    timed_steps: int  # per timed window of jit_step and estimax (a multiple of K)
+    scan_steps: int  # per timed window of jit_scan (a multiple of K)
+    examples: int = 8192
+
+    def data(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        x = rng.standard_normal((self.examples, *self.x_shape), dtype=np.float32)
+        if self.y_shape is None:
+            return x, rng.integers(0, 10, self.examples).astype(np.int32)
+        return x, rng.standard_normal((self.examples, *self.y_shape), dtype=np.float32)
+
+
+WORKLOADS = {
+    "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, learning_rate=0.01,
+                    steps_per_loop=50, timed_steps=10000, scan_steps=10000),
+    "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, learning_rate=0.001,
+                     steps_per_loop=50, timed_steps=3000, scan_steps=3000),
+    "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, learning_rate=0.05,
+                    steps_per_loop=10, timed_steps=40, scan_steps=10, examples=4096),
+}
+
+
+def quick(w: Workload) -> Workload:
+    """A smoke-run version: the smallest K that still lets ``auto`` time both modes, short windows."""
+    k = 8
+    return dataclasses.replace(w, steps_per_loop=k, timed_steps=k * (4 if w.name == "cnn" else 20),
+                               scan_steps=k, examples=2048)
+
+
+# -- hand-written references ----------------------------------------------------
+
+def shuffled_batches(x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0):
+    """Endless batches: a fresh permutation per epoch, rows gathered per batch."""
+    for epoch in range(sys.maxsize):
+        order = np.random.default_rng([seed, epoch]).permutation(len(x))
+        for i in range(len(x) // batch):
+            rows = order[i * batch:(i + 1) * batch]
+            yield x[rows], y[rows]
+
+
+def reference_step(w: Workload):
+    """(initial state, pure train step): NNX split into params and the rest (RNG state), threaded through."""
+    graphdef, params, rest = nnx.split(w.build(nnx.Rngs(0)), nnx.Param, ...)
+    optimizer = optax.sgd(w.learning_rate)
+
+    def step(state, batch):
+        params, opt_state, rest = state
+        x, y = batch
+        model = nnx.merge(graphdef, params, rest)
+        loss, grads = nnx.value_and_grad(lambda model: jnp.mean(w.loss(model(x), y)))(model)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state, nnx.split(model, nnx.Param, ...)[2]), loss
+
+    return (params, optimizer.init(params), rest), step
+
+
+def jit_step_runner(w: Workload, x, y) -> Callable[[int], None]:
+    state, step = reference_step(w)
+    step = jax.jit(step, donate_argnums=0)
+    batches = shuffled_batches(x, y, w.batch)
+
+    def run(steps: int):
+        nonlocal state
+        losses = []
+        for _ in range(steps):
+            state, loss = step(state, next(batches))
+            losses.append(loss)
+            if len(losses) > IN_FLIGHT:
+                losses.pop(0).block_until_ready()
+        jax.block_until_ready(state)
+
+    return run
+
+
+def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
+    state, step = reference_step(w)
+    loop = jax.jit(lambda state, stack: jax.lax.scan(step, state, stack), donate_argnums=0)
+    batches = shuffled_batches(x, y, w.batch)
+
+    def run(steps: int):
+        nonlocal state
+        previous = None
+        for _ in range(steps // w.steps_per_loop):
+            stack = jax.tree.map(lambda *b: np.stack(b), *(next(batches) for _ in range(w.steps_per_loop)))
+            state, losses = loop(state, stack)
+            if previous is not None:
+                previous.block_until_ready()  # at most two loops in flight
+            previous = losses
+        jax.block_until_ready(state)
+
+    return run
+
+
+# -- estimax ----------------------------------------------------------------------
+
+def estimax_runner(w: Workload, x, y) -> tuple[Callable[[int], None], ex.Estimator]:
+    def model_fn(model, features, labels, mode, params):
+        outputs = model(features["x"])
+        if mode == ex.PREDICT:
+            return ex.Spec(predictions={"y": outputs})
+        return ex.Spec(loss=w.loss(outputs, labels))
+
+    config = ex.RunConfig(model_dir=None, train_batch_size=w.batch, steps_per_loop=w.steps_per_loop,
+                          loop="auto", log_every_steps=10**9)
+    est = ex.Estimator(model=lambda rngs, params: w.build(rngs), model_fn=model_fn,
+                       optimizer=optax.sgd(w.learning_rate), config=config)
+    logging.getLogger("estimax").setLevel(logging.WARNING)
+    data = ex.data.from_arrays({"x": x}, y)
+
+    def run(steps: int):
+        est.train(data, steps=steps)
+        jax.block_until_ready(est._state)
+
+    return run, est
+
+
+# -- measurement ------------------------------------------------------------------
+
+def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
+    start = time.perf_counter()
+    run(steps)
+    return steps / (time.perf_counter() - start)
+
+
+def benchmark(w: Workload, rounds: int) -> dict:
+    x, y = w.data()
+    k = w.steps_per_loop
+    est_run, est = estimax_runner(w, x, y)
+    contenders = {  # name: (run, warm-up steps, timed steps)
+        "jit_step": (jit_step_runner(w, x, y), 2 * k, w.timed_steps),
+        "jit_scan": (jit_scan_runner(w, x, y), k, w.scan_steps),
+        "estimax": (est_run, 2 * k, w.timed_steps),  # >= 2 loops: compilation and the auto choice
+    }
+    for run, warmup, _ in contenders.values():
+        run(warmup)
+    best = dict.fromkeys(contenders, 0.0)
+    for _ in range(rounds):
+        for name, (run, _, steps) in contenders.items():
+            best[name] = max(best[name], steps_per_sec(run, steps))
+    reference = max(best["jit_step"], best["jit_scan"])
+    return {
+        "workload": w.name, "batch": w.batch, "steps_per_loop": k,
+        **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
+        "estimax_mode": est._train_runner.mode,
+        "ratio_vs_best_reference": round(best["estimax"] / reference, 3),
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny windows, one round")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of "
+                        + ", ".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=3, help="timed windows per contender (best is kept)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.workloads.split(",") if n]
+    unknown = sorted(set(names) - WORKLOADS.keys())
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; expected some of {sorted(WORKLOADS)}")
+    start = time.perf_counter()
+    for name in names:
+        w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
+        print(json.dumps(benchmark(w, 1 if args.quick else args.rounds)), flush=True)
+    print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
