@@ -14,13 +14,20 @@ alternate between contenders for a few rounds; the best steps/s of each is
 kept. One JSON line per workload goes to stdout, with
 ``ratio_vs_best_reference = estimax / max(jit_step, jit_scan)`` (target >= 0.95).
 
-Run: ``python benchmarks/loops.py [--quick] [--workloads mlp,lstm,cnn]``
+Expected on XLA:CPU: the scan wins on the host-bound MLP and LSTM, while the
+CNN's convolution gradients run ~10x slower inside a rolled ``lax.scan`` than
+as one call per step, so ``auto`` should pick ``step`` there.
+
+Run: ``python benchmarks/loops.py`` (about 4 minutes on 2 cores);
+``--workloads mlp,lstm`` picks workloads, ``--quick`` is a < 1 minute smoke run
+whose numbers are not meaningful.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import sys
@@ -39,6 +46,7 @@ IN_FLIGHT = 10  # the jit_step reference waits on the step this many calls back
 
 
 # -- models ---------------------------------------------------------------------
+
 
 class MLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
@@ -91,10 +99,10 @@ class Workload:
     x_shape: tuple[int, ...]  # per example
     y_shape: tuple[int, ...] | None  # per example float targets; None: int class labels
     batch: int
-    learning_rate: float
-    steps_per_loop: int  # K
-    timed_steps: int  # per timed window of jit_step and estimax (a multiple of K)
-    scan_steps: int  # per timed window of jit_scan (a multiple of K)
+    lr: float
+    k: int  # steps per loop
+    steps: int  # per timed window of jit_step and estimax (a multiple of k)
+    scan_steps: int | None = None  # per timed window of jit_scan (a multiple of k); default: steps
     examples: int = 8192
 
     def data(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -106,37 +114,34 @@ class Workload:
 
 
 WORKLOADS = {
-    "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, learning_rate=0.01,
-                    steps_per_loop=50, timed_steps=10000, scan_steps=10000),
-    "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, learning_rate=0.001,
-                     steps_per_loop=50, timed_steps=3000, scan_steps=3000),
-    "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, learning_rate=0.05,
-                    steps_per_loop=10, timed_steps=40, scan_steps=10, examples=4096),
+    "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, lr=0.01, k=50, steps=10000),
+    "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, lr=0.001, k=50, steps=3000),
+    "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=10, steps=40, scan_steps=10),
 }
 
 
 def quick(w: Workload) -> Workload:
-    """A smoke-run version: the smallest K that still lets ``auto`` time both modes, short windows."""
-    k = 8
-    return dataclasses.replace(w, steps_per_loop=k, timed_steps=k * (4 if w.name == "cnn" else 20),
-                               scan_steps=k, examples=2048)
+    """A smoke run: the smallest k that lets ``auto`` time both modes, batches of 32, short windows."""
+    steps = 8 * (4 if w.name == "cnn" else 20)
+    return dataclasses.replace(w, batch=min(w.batch, 32), k=8, steps=steps, scan_steps=8, examples=2048)
 
 
 # -- hand-written references ----------------------------------------------------
 
+
 def shuffled_batches(x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0):
     """Endless batches: a fresh permutation per epoch, rows gathered per batch."""
-    for epoch in range(sys.maxsize):
+    for epoch in itertools.count():
         order = np.random.default_rng([seed, epoch]).permutation(len(x))
         for i in range(len(x) // batch):
-            rows = order[i * batch:(i + 1) * batch]
+            rows = order[i * batch : (i + 1) * batch]
             yield x[rows], y[rows]
 
 
 def reference_step(w: Workload):
     """(initial state, pure train step): NNX split into params and the rest (RNG state), threaded through."""
     graphdef, params, rest = nnx.split(w.build(nnx.Rngs(0)), nnx.Param, ...)
-    optimizer = optax.sgd(w.learning_rate)
+    optimizer = optax.sgd(w.lr)
 
     def step(state, batch):
         params, opt_state, rest = state
@@ -175,8 +180,8 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
     def run(steps: int):
         nonlocal state
         previous = None
-        for _ in range(steps // w.steps_per_loop):
-            stack = jax.tree.map(lambda *b: np.stack(b), *(next(batches) for _ in range(w.steps_per_loop)))
+        for _ in range(steps // w.k):
+            stack = jax.tree.map(lambda *b: np.stack(b), *(next(batches) for _ in range(w.k)))
             state, losses = loop(state, stack)
             if previous is not None:
                 previous.block_until_ready()  # at most two loops in flight
@@ -188,6 +193,7 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
 
 # -- estimax ----------------------------------------------------------------------
 
+
 def estimax_runner(w: Workload, x, y) -> tuple[Callable[[int], None], ex.Estimator]:
     def model_fn(model, features, labels, mode, params):
         outputs = model(features["x"])
@@ -195,10 +201,12 @@ def estimax_runner(w: Workload, x, y) -> tuple[Callable[[int], None], ex.Estimat
             return ex.Spec(predictions={"y": outputs})
         return ex.Spec(loss=w.loss(outputs, labels))
 
-    config = ex.RunConfig(model_dir=None, train_batch_size=w.batch, steps_per_loop=w.steps_per_loop,
-                          loop="auto", log_every_steps=10**9)
-    est = ex.Estimator(model=lambda rngs, params: w.build(rngs), model_fn=model_fn,
-                       optimizer=optax.sgd(w.learning_rate), config=config)
+    config = ex.RunConfig(
+        model_dir=None, train_batch_size=w.batch, steps_per_loop=w.k, loop="auto", log_every_steps=10**9
+    )
+    est = ex.Estimator(
+        model=lambda rngs, params: w.build(rngs), model_fn=model_fn, optimizer=optax.sgd(w.lr), config=config
+    )
     logging.getLogger("estimax").setLevel(logging.WARNING)
     data = ex.data.from_arrays({"x": x}, y)
 
@@ -211,6 +219,7 @@ def estimax_runner(w: Workload, x, y) -> tuple[Callable[[int], None], ex.Estimat
 
 # -- measurement ------------------------------------------------------------------
 
+
 def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
     start = time.perf_counter()
     run(steps)
@@ -219,12 +228,11 @@ def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
 
 def benchmark(w: Workload, rounds: int) -> dict:
     x, y = w.data()
-    k = w.steps_per_loop
     est_run, est = estimax_runner(w, x, y)
     contenders = {  # name: (run, warm-up steps, timed steps)
-        "jit_step": (jit_step_runner(w, x, y), 2 * k, w.timed_steps),
-        "jit_scan": (jit_scan_runner(w, x, y), k, w.scan_steps),
-        "estimax": (est_run, 2 * k, w.timed_steps),  # >= 2 loops: compilation and the auto choice
+        "jit_step": (jit_step_runner(w, x, y), 2 * w.k, w.steps),
+        "jit_scan": (jit_scan_runner(w, x, y), w.k, w.scan_steps or w.steps),
+        "estimax": (est_run, 2 * w.k, w.steps),  # >= 2 loops: compilation and the auto choice
     }
     for run, warmup, _ in contenders.values():
         run(warmup)
@@ -234,7 +242,9 @@ def benchmark(w: Workload, rounds: int) -> dict:
             best[name] = max(best[name], steps_per_sec(run, steps))
     reference = max(best["jit_step"], best["jit_scan"])
     return {
-        "workload": w.name, "batch": w.batch, "steps_per_loop": k,
+        "workload": w.name,
+        "batch": w.batch,
+        "steps_per_loop": w.k,
         **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
         "estimax_mode": est._train_runner.mode,
         "ratio_vs_best_reference": round(best["estimax"] / reference, 3),
@@ -244,8 +254,9 @@ def benchmark(w: Workload, rounds: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny windows, one round")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of "
-                        + ", ".join(WORKLOADS))
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS)
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed windows per contender (best is kept)")
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]

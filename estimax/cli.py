@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--batch-size", type=int, default=128, help="global batch size (default: 128)")
         sub.add_argument("--seed", type=int, default=0, help="initialisation, dropout and shuffling seed")
         if name == "train":
-            sub.add_argument("--max-steps", type=int, default=500, help="train until this step (default: 500)")
+            sub.add_argument("--max-steps", type=int, default=400, help="train until this step (default: 400)")
             sub.add_argument(
                 "--steps-per-loop", type=int, default=50, help="training steps per host round trip (default: 50)"
             )

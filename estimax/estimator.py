@@ -122,10 +122,9 @@ class Estimator:
         runner = self._train_runner
         reporter = report.Reporter(cfg.model_dir, cfg.log_every_steps, cfg.train_batch_size)
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
-        batches = feed.train_batches(input, host_batch, seed=cfg.seed, start_step=start)
+        stacks = feed.train_stacks(input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start)
         step, pending = start, None
-        with feed.Prefetch(feed.train_chunks(batches, chunk_sizes, self.mesh, cfg.train_batch_size)) as chunks:
-            reporter.start(step)
+        with feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks:
             for chunk in chunks:
                 state, outputs = runner.run(state, chunk)
                 if pending is not None:

@@ -9,6 +9,7 @@ donation, the two ways of running ``steps_per_loop`` training steps (one
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 import jax
@@ -23,8 +24,13 @@ logger = logging.getLogger("estimax")
 # Dispatching hundreds of collective-bearing calls without waiting starves
 # XLA:CPU's all-reduce rendezvous; wait for the call this many steps back.
 MAX_STEPS_IN_FLIGHT = 8
-# auto mode times this many steps per candidate (after one warm-up run each).
+# auto mode: each round times this many steps of each candidate, for up to
+# PROBE_ROUNDS rounds; it keeps "step" only when it is clearly faster, since a
+# scan also frees the host, and stops early on an unambiguous difference.
 MAX_PROBE_STEPS = 8
+PROBE_ROUNDS = 3
+STEP_MUST_WIN_BY = 1.2
+CLEAR_RATIO, CLEAR_SECONDS = 3.0, 0.01
 
 
 class TrainRunner:
@@ -44,22 +50,23 @@ class TrainRunner:
             lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
             out_shardings=batch,
         )
-        self._slice = jax.jit(
-            lambda s, start, stop: jax.tree.map(lambda x: x[start:stop], s), static_argnums=(1, 2), out_shardings=stack
-        )
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
         if loop == "auto" and jax.default_backend() != "cpu":
             loop = "scan"  # the per-step penalty of a rolled loop is an XLA:CPU matter
         self.mode = loop
-        self._probe_steps = min(MAX_PROBE_STEPS, steps_per_loop // 4)
-        if self.mode == "auto" and self._probe_steps < 2:
+        self._probe_steps = p = min(MAX_PROBE_STEPS, steps_per_loop // (1 + 2 * PROBE_ROUNDS))
+        if self.mode == "auto" and p < 2:
             self.mode = "step"  # too few steps per loop to time both; step is never slow
+        self._probe_slice = jax.jit(
+            lambda s, start: jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, p), s),
+            out_shardings=stack,
+        )
 
     def run(self, state, chunk: DeviceChunk):
         if self.mode == "scan":
             state, outputs = self.scan(state, chunk.stack)
             return state, [outputs]
-        if self.mode == "auto" and chunk.num_steps >= 4 * self._probe_steps:
+        if self.mode == "auto" and chunk.num_steps >= (1 + 2 * PROBE_ROUNDS) * self._probe_steps:
             return self._choose(state, chunk)
         return self._steps(state, chunk.stack, range(chunk.num_steps))
 
@@ -73,37 +80,59 @@ class TrainRunner:
         return state, outputs
 
     def _choose(self, state, chunk: DeviceChunk):
-        """Times ``p`` steps of each mode (after a warm-up run of each) and keeps the faster.
+        """Times both modes on this loop's steps and keeps the faster one from the next loop on.
 
-        All of them are real training steps: results do not depend on the
-        mode beyond float rounding.
+        Every probed step is a real training step: results do not depend on
+        the mode beyond float rounding. The scan candidate is compiled ahead of
+        time, so no slow step is spent warming it up.
         """
-        p, outputs = self._probe_steps, []
+        p, at, outputs = self._probe_steps, 0, []
 
-        def timed(run):
-            nonlocal state
+        def steps(n):
+            nonlocal state, at
+            state, out = self._steps(state, chunk.stack, range(at, at + n))
+            outputs.extend(out)
+            at += n
+
+        def scan():
+            nonlocal state, at
+            state, out = compiled_scan(state, self._probe_slice(chunk.stack, self._indices[at]))
+            outputs.append(out)
+            at += p
+
+        def timed(run) -> float:
             jax.block_until_ready(state)  # host sync: time only this run
             start = time.perf_counter()
-            state, out = run()
-            jax.block_until_ready((state, out))
-            outputs.extend(out)
+            run()
+            jax.block_until_ready((state, outputs[-1]))
             return time.perf_counter() - start
 
-        timed(lambda: self._steps(state, chunk.stack, range(0, p)))
-        per_step = timed(lambda: self._steps(state, chunk.stack, range(p, 2 * p)))
-        subs = [self._slice(chunk.stack, a, a + p) for a in (2 * p, 3 * p)]
-        timed(lambda: (lambda s, o: (s, [o]))(*self.scan(state, subs[0])))
-        scan = timed(lambda: (lambda s, o: (s, [o]))(*self.scan(state, subs[1])))
-        self.mode = "scan" if scan < per_step else "step"
+        steps(p)  # compiles the per-step path
+        compiled_scan = self.scan.lower(state, self._probe_slice(chunk.stack, self._indices[0])).compile()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)  # the prefetch thread must not hold the GIL for 5 ms inside a window
+        try:
+            step_times, scan_times = [], []
+            for _ in range(PROBE_ROUNDS):
+                step_times.append(timed(lambda: steps(p)))
+                scan_times.append(timed(scan))
+                fast, slow = sorted((min(step_times), min(scan_times)))
+                if slow > CLEAR_RATIO * fast and slow - fast > CLEAR_SECONDS:
+                    break
+        finally:
+            sys.setswitchinterval(switch_interval)
+        per_step, scanned = min(step_times), min(scan_times)
+        self.mode = "step" if per_step * STEP_MUST_WIN_BY < scanned else "scan"
         logger.info(
-            "loop=auto: %d steps took %.2f ms as a scan and %.2f ms step by step; using %s",
+            "loop=auto: %d steps took %.2f ms as a scan and %.2f ms step by step (best of %d); using %s",
             p,
-            scan * 1e3,
+            scanned * 1e3,
             per_step * 1e3,
+            len(scan_times),
             self.mode,
         )
-        state, rest = self._steps(state, chunk.stack, range(4 * p, chunk.num_steps))
-        return state, outputs + rest
+        steps(chunk.num_steps - at)  # the rest of this loop, on the already compiled path
+        return state, outputs
 
 
 def read_outputs(outputs: list[dict]) -> dict[str, np.ndarray]:

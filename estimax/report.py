@@ -23,28 +23,34 @@ class Reporter:
         self.log_every_steps = log_every_steps
         self.global_batch_size = global_batch_size
         self._sums: dict[str, float] = {}
-        self._steps = 0
-        self._since = time.perf_counter()
-
-    def start(self, step: int) -> None:
-        """Resets the window at the start of training (compile time is not throughput)."""
-        self._sums, self._steps, self._since = {}, 0, time.perf_counter()
+        self._steps = 0  # steps since the last line, for the averages
+        # Throughput is timed between reads of a loop's outputs, each made once the next
+        # loop is dispatched. The first read (compilation) and the last one (nothing
+        # dispatched after it, so it comes earlier in the loop's life) are not timed.
+        self._timed_steps = 0
+        self._since = self._until = None
 
     def train(self, step_before: int, step_after: int, outputs: dict[str, np.ndarray], final: bool = False):
-        """Adds a loop's per-step outputs; logs when a multiple of ``log_every_steps`` was crossed."""
+        """Adds a loop's per-step outputs (read when the loop is done); logs when a multiple
+        of ``log_every_steps`` was crossed, or at the end with ``final``."""
+        now = time.perf_counter()
         for name, values in outputs.items():
             self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values, dtype=np.float64))
         self._steps += step_after - step_before
+        if self._since is None:
+            self._since = now
+        elif not final:
+            self._timed_steps, self._until = self._timed_steps + step_after - step_before, now
         crossed = step_after // self.log_every_steps > step_before // self.log_every_steps
         if not (crossed or final) or self._steps == 0:
             return
-        now = time.perf_counter()
-        steps_per_sec = self._steps / max(now - self._since, 1e-9)
         record = {name: total / self._steps for name, total in self._sums.items()}
-        record.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
+        if self._timed_steps:
+            steps_per_sec = self._timed_steps / max(self._until - self._since, 1e-9)
+            record.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
         logger.info("step %d  %s", step_after, _format(record))
         self._write({"split": "train", "step": step_after, **record})
-        self._sums, self._steps, self._since = {}, 0, now
+        self._sums, self._steps, self._timed_steps, self._since = {}, 0, 0, self._until
 
     def eval(self, step: int, results: dict[str, float], split: str = "eval") -> None:
         logger.info("%s at step %d  %s", split, step, _format(results))

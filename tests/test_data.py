@@ -31,6 +31,15 @@ def test_train_batches_resume_from_any_step():
         np.testing.assert_array_equal(la, lb)
 
 
+def test_stacks_hold_the_same_batches_as_single_steps():
+    data = ex.data.from_arrays(*blobs(200))
+    batches = list(itertools.islice(data.train_batches(16, seed=4, start_step=5), 17))
+    stacks = list(data.train_stacks(16, [7, 7, 3], seed=4, start_step=5))
+    assert [s[0]["x"].shape for s in stacks] == [(7, 16, 6), (7, 16, 6), (3, 16, 6)]
+    np.testing.assert_array_equal(np.concatenate([s[0]["x"] for s in stacks]), np.stack([b[0]["x"] for b in batches]))
+    np.testing.assert_array_equal(np.concatenate([s[1] for s in stacks]), np.stack([b[1] for b in batches]))
+
+
 def test_process_shards_are_disjoint_and_cover_the_data():
     ids = np.arange(1001)
     data = ex.data.from_arrays({"id": ids})

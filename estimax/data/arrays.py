@@ -10,7 +10,7 @@ per epoch. Evaluation batches run in order and keep the final partial batch.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -45,9 +45,8 @@ class ArrayDataset:
         return self._size
 
     def _take(self, index: np.ndarray):
-        take = lambda x: x[index]  # noqa: E731
-        labels = None if self.labels is None else jax.tree.map(take, self.labels)
-        return jax.tree.map(take, self.features), labels
+        """(features, labels) of the rows ``index``; a 2-D index gives stacked batches."""
+        return jax.tree.map(lambda x: x[index], (self.features, self.labels))
 
     def _shard(self, process_index: int, process_count: int) -> np.ndarray:
         return np.arange(process_index, self._size, process_count)
@@ -59,6 +58,27 @@ class ArrayDataset:
         self, host_batch_size: int, *, seed: int, start_step: int = 0, process_index: int = 0, process_count: int = 1
     ) -> Iterator:
         """Endless shuffled batches from step ``start_step`` on, reshuffled every epoch."""
+        for rows in self._train_rows(host_batch_size, seed, start_step, process_index, process_count):
+            yield self._take(rows)
+
+    def train_stacks(
+        self,
+        host_batch_size: int,
+        chunk_sizes: Iterable[int],
+        *,
+        seed: int,
+        start_step: int = 0,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> Iterator:
+        """The same batches as ``train_batches``, ``size`` steps at a time for each of
+        ``chunk_sizes``, stacked ``(size, batch, ...)`` by a single gather."""
+        steps = self._train_rows(host_batch_size, seed, start_step, process_index, process_count)
+        for size in chunk_sizes:
+            yield self._take(np.stack(list(itertools.islice(steps, size))))
+
+    def _train_rows(self, host_batch_size, seed, start_step, process_index, process_count) -> Iterator[np.ndarray]:
+        """Row indices of each training batch from ``start_step`` on."""
         rows = self._shard(process_index, process_count)[: self._size // process_count]
         per_epoch = len(rows) // host_batch_size
         if per_epoch == 0:
@@ -70,7 +90,7 @@ class ArrayDataset:
         for epoch in itertools.count(first_epoch):
             order = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
             for i in range(first, per_epoch):
-                yield self._take(order[i * host_batch_size : (i + 1) * host_batch_size])
+                yield order[i * host_batch_size : (i + 1) * host_batch_size]
             first = 0
 
     def eval_batches(self, host_batch_size: int, *, process_index: int = 0, process_count: int = 1) -> Iterator:

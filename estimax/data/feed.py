@@ -39,17 +39,33 @@ class DeviceBatch(NamedTuple):
 # -- host batches -------------------------------------------------------------
 
 
-def train_batches(source, host_batch_size: int, *, seed: int, start_step: int) -> Iterator:
-    """Full host batches of training input, from ``start_step`` on where the source can seek."""
-    if hasattr(source, "train_batches"):
-        return source.train_batches(
+def train_stacks(source, host_batch_size: int, chunk_sizes: list[int], *, seed: int, start_step: int) -> Iterator:
+    """Host stacks ``(num_steps, host_batch, ...)`` of training batches, one per chunk size.
+
+    Sources that can seek and stack (``from_arrays``) deliver them from
+    ``start_step`` in one gather each; plain iterables are checked batch by
+    batch and stacked here, and may end early with a shorter stack.
+    """
+    if hasattr(source, "train_stacks"):
+        return source.train_stacks(
             host_batch_size,
+            chunk_sizes,
             seed=seed,
             start_step=start_step,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
-    return _drop_final_partial(_iterate(source), host_batch_size)
+    return _stack(_drop_final_partial(_iterate(source), host_batch_size), chunk_sizes)
+
+
+def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
+    check = BatchChecker()
+    for size in chunk_sizes:
+        host = [check(b) for b in _take(batches, size)]
+        if host:
+            yield jax.tree.map(lambda *xs: np.stack(xs), *host)
+        if len(host) < size:
+            return
 
 
 def eval_batches(source, host_batch_size: int) -> Iterator:
@@ -165,19 +181,12 @@ def _difference(expected: dict, found: dict) -> str:
 # -- host -> device -----------------------------------------------------------
 
 
-def train_chunks(batches: Iterator, chunk_sizes: Iterable[int], mesh, global_batch_size: int) -> Iterator[DeviceChunk]:
-    """Stacks of training batches on the mesh, one per entry of ``chunk_sizes``.
-
-    Stops early, after a shorter chunk, when the input runs out.
-    """
-    check, sharding = BatchChecker(), mesh_lib.batch_sharding(mesh, stacked=True)
-    for size in chunk_sizes:
-        host = [check(b) for b in _take(batches, size)]
-        if host:
-            stack = jax.tree.map(lambda *xs: np.stack(xs), *host)
-            yield DeviceChunk(mesh_lib.to_global(stack, sharding, global_batch_size), len(host))
-        if len(host) < size:
-            return
+def train_chunks(stacks: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceChunk]:
+    """Host stacks of training batches as global arrays on the mesh."""
+    sharding = mesh_lib.batch_sharding(mesh, stacked=True)
+    for stack in stacks:
+        num_steps = jax.tree.leaves(stack)[0].shape[0]
+        yield DeviceChunk(mesh_lib.to_global(stack, sharding, global_batch_size), num_steps)
 
 
 def eval_device_batches(batches: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceBatch]:
