@@ -116,14 +116,14 @@ class Workload:
 WORKLOADS = {
     "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, lr=0.01, k=50, steps=10000),
     "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, lr=0.001, k=50, steps=3000),
-    "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=10, steps=40, scan_steps=10),
+    "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=14, steps=42, scan_steps=14),
 }
 
 
 def quick(w: Workload) -> Workload:
     """A smoke run: the smallest k that lets ``auto`` time both modes, batches of 32, short windows."""
-    steps = 8 * (4 if w.name == "cnn" else 20)
-    return dataclasses.replace(w, batch=min(w.batch, 32), k=8, steps=steps, scan_steps=8, examples=2048)
+    steps = 14 * (3 if w.name == "cnn" else 12)
+    return dataclasses.replace(w, batch=min(w.batch, 32), k=14, steps=steps, scan_steps=14, examples=2048)
 
 
 # -- hand-written references ----------------------------------------------------
