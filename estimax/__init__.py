@@ -1,9 +1,27 @@
 """estimax: one model definition trained, evaluated and predicted on every device."""
 
 from estimax import data
-from estimax.config import RunConfig
+from estimax.checkpoint import CheckpointError
+from estimax.config import CheckpointPolicy, RunConfig
 from estimax.estimator import Estimator
+from estimax.preemption import PREEMPTED_EXIT_CODE, Preempted
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
+from estimax.warm_start import WarmStart
 
-__all__ = ["EVAL", "PREDICT", "TRAIN", "Estimator", "Mode", "RunConfig", "Spec", "TrainState", "data"]
+__all__ = [
+    "EVAL",
+    "PREDICT",
+    "PREEMPTED_EXIT_CODE",
+    "TRAIN",
+    "CheckpointError",
+    "CheckpointPolicy",
+    "Estimator",
+    "Mode",
+    "Preempted",
+    "RunConfig",
+    "Spec",
+    "TrainState",
+    "WarmStart",
+    "data",
+]

@@ -1,7 +1,8 @@
-"""RunConfig: where a run writes, how big its batches are and how it loops.
+"""RunConfig and CheckpointPolicy: where a run writes, how big its batches
+are, how it loops and when it saves.
 
-A validated, immutable dataclass. It owns settings only; nothing here touches
-devices or files.
+Validated, immutable dataclasses. They own settings only; nothing here
+touches devices or files.
 """
 
 from __future__ import annotations
@@ -10,6 +11,45 @@ import dataclasses
 import os
 
 LOOP_MODES = ("auto", "scan", "step")
+_UNSET = object()
+
+
+def _check_positive(owner: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}({name}={value!r}) must be a positive integer.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    """When training saves checkpoints and which ones are kept.
+
+    Saves happen at loop boundaries: when a multiple of ``every_steps`` was
+    crossed, when ``every_seconds`` have passed since the last save, at the end
+    of training and on preemption (SIGTERM/SIGINT).
+
+    Attributes:
+      every_steps: save when a multiple is crossed; ``None``: not by steps.
+      every_seconds: save when this long has passed since the last save.
+      keep: how many of the most recent checkpoints are kept.
+      keep_every_hours: also keep one checkpoint per this many hours, forever.
+      async_save: write in the background; training waits only while the
+        state is copied off the devices.
+    """
+
+    every_steps: int | None = 1000
+    every_seconds: float | None = None
+    keep: int = 3
+    keep_every_hours: float | None = None
+    async_save: bool = True
+
+    def __post_init__(self):
+        _check_positive("CheckpointPolicy", "keep", self.keep)
+        if self.every_steps is not None:
+            _check_positive("CheckpointPolicy", "every_steps", self.every_steps)
+        for name in ("every_seconds", "keep_every_hours"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,10 +70,11 @@ class RunConfig:
         and the faster one is kept).
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
-      save_every_steps: a checkpoint is written when a multiple is crossed (at
-        loop boundaries) and at the end of training; ``None``: only at the end.
-      keep_checkpoints: how many recent checkpoints are kept.
+      checkpoint: when checkpoints are saved and kept (``CheckpointPolicy``).
       num_devices: use the first N devices (default: all devices of all processes).
+      save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
+        at the end and on preemption).
+      keep_checkpoints: shorthand for ``checkpoint.keep``.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -44,16 +85,21 @@ class RunConfig:
     loop: str = "auto"
     seed: int = 0
     log_every_steps: int = 100
-    save_every_steps: int | None = 1000
-    keep_checkpoints: int = 3
+    checkpoint: CheckpointPolicy = CheckpointPolicy()
     num_devices: int | None = None
+    save_every_steps: dataclasses.InitVar[int | None] = _UNSET
+    keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
-    def __post_init__(self):
-        for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "keep_checkpoints"):
-            _check_positive(name, getattr(self, name))
-        for name in ("eval_batch_size", "predict_batch_size", "save_every_steps", "num_devices"):
+    def __post_init__(self, save_every_steps, keep_checkpoints):
+        shorthands = {"every_steps": save_every_steps, "keep": keep_checkpoints}
+        shorthands = {k: v for k, v in shorthands.items() if v is not _UNSET}
+        if shorthands:
+            object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
+        for name in ("train_batch_size", "steps_per_loop", "log_every_steps"):
+            _check_positive("RunConfig", name, getattr(self, name))
+        for name in ("eval_batch_size", "predict_batch_size", "num_devices"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                _check_positive("RunConfig", name, getattr(self, name))
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         if self.model_dir is not None:
@@ -66,8 +112,3 @@ class RunConfig:
     @property
     def global_predict_batch_size(self) -> int:
         return self.predict_batch_size or self.global_eval_batch_size
-
-
-def _check_positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"RunConfig({name}={value!r}) must be a positive integer.")

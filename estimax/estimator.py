@@ -15,14 +15,16 @@ from collections.abc import Callable, Iterator
 import jax
 import optax
 
+from estimax import checkpoint as checkpoint_lib
 from estimax import mesh as mesh_lib
 from estimax import report
-from estimax.checkpoint import Checkpointer, abstract_like
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.loop import EvalRunner, TrainRunner, read_outputs
 from estimax.model import NNXAdapter
+from estimax.preemption import Preempted, PreemptionWatch
 from estimax.step import Core
+from estimax.warm_start import WarmStart
 
 logger = logging.getLogger("estimax")
 
@@ -37,6 +39,8 @@ class Estimator:
       config: a ``RunConfig``; defaults to ``RunConfig()``.
       params: hyper-parameters handed to ``model`` and ``model_fn``;
         ``params["batch_size"]`` is set to the global batch of the mode.
+      warm_start: initialise parameters from another run when ``model_dir``
+        has no checkpoint yet (``WarmStart``).
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class Estimator:
         optimizer: optax.GradientTransformation,
         config: RunConfig | None = None,
         params: dict | None = None,
+        warm_start: WarmStart | None = None,
     ):
         _check_model_fn(model_fn)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
@@ -61,9 +66,10 @@ class Estimator:
         self._checkpointer = (
             None
             if config.model_dir is None
-            else Checkpointer(config.model_dir, save_every_steps=config.save_every_steps, keep=config.keep_checkpoints)
+            else checkpoint_lib.Checkpointer.of_model_dir(config.model_dir, config.checkpoint)
         )
-        self._state, self._step = None, None
+        self._warm_start = warm_start
+        self._state, self._step, self._seen_latest = None, None, None
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -75,20 +81,46 @@ class Estimator:
         self._ensure_state()
         return self._step
 
+    def state_shapes(self):
+        """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
+        return checkpoint_lib.abstract_like(jax.eval_shape(self._core.init_state), self._replicated)
+
     def _ensure_state(self):
-        """The latest checkpoint in model_dir if newer than what is in memory, else a fresh init."""
+        """The latest good checkpoint in model_dir if newer than what is in memory, else a
+        fresh initialisation (warm-started if asked)."""
         latest = self._checkpointer.latest_step() if self._checkpointer else None
-        if latest is not None and (self._state is None or latest > self._step):
-            abstract = abstract_like(jax.eval_shape(self._core.init_state), self._replicated)
-            self._state, self._step = self._checkpointer.restore(abstract), latest
+        if latest is not None and latest != self._seen_latest and (self._state is None or latest > self._step):
+            self._seen_latest = latest
+            self._state, meta = self._checkpointer.restore(self.state_shapes())
+            self._step = meta["step"]
         elif self._state is None:
             self._state = jax.jit(self._core.init_state, out_shardings=self._replicated)()
+            if self._warm_start is not None:
+                self._state = self._warm_start.apply(self._state)
             self._step = 0
         return self._state
 
-    def model(self):
-        """The current model as a live NNX module in eval behaviour, for interactive use."""
-        state = self._ensure_state()
+    def _state_at(self, checkpoint: int | str | None):
+        """The current state, or the one of ``checkpoint``: a step of model_dir or a path."""
+        if checkpoint is None:
+            return self._ensure_state()
+        if isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
+            if self._checkpointer is None:
+                raise ValueError(
+                    f"checkpoint={checkpoint} is a step, but RunConfig(model_dir=None) has no "
+                    "checkpoints; expected a path, or a model_dir."
+                )
+            checkpointer, step = self._checkpointer, checkpoint
+        else:
+            checkpointer, step = checkpoint_lib.locate(checkpoint)
+        return checkpointer.restore(self.state_shapes(), step)[0]
+
+    def model(self, checkpoint: int | str | None = None):
+        """The model as a live NNX module in eval behaviour, for interactive use.
+
+        ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
+        """
+        state = self._state_at(checkpoint)
         return self._core.adapter.live(state.params, state.model_state)
 
     # -- train ---------------------------------------------------------------
@@ -124,7 +156,11 @@ class Estimator:
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
         stacks = feed.train_stacks(input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start)
         step, pending = start, None
-        with feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks:
+        checkpointer = self._checkpointer
+        with (
+            PreemptionWatch() as preemption,
+            feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks,
+        ):
             for chunk in chunks:
                 state, outputs = runner.run(state, chunk)
                 if pending is not None:
@@ -132,27 +168,34 @@ class Estimator:
                 pending = (step, step + chunk.num_steps, outputs)
                 step += chunk.num_steps
                 self._state, self._step = state, step
-                if self._checkpointer and self._checkpointer.due(pending[0], step):
-                    self._checkpointer.save(step, state)
+                if preemption.requested(step):
+                    break
+                if checkpointer and checkpointer.due(pending[0], step):
+                    checkpointer.save(step, state)
         if pending is not None:
             reporter.train(pending[0], pending[1], read_outputs(pending[2]), final=True)
+        if checkpointer:
+            checkpointer.save(step, state)
+            checkpointer.wait()
+        if preemption.signal_name is not None:
+            preempted = Preempted(step, preemption.signal_name)
+            logger.warning("%s", preempted)
+            raise preempted
         if step < target:
             logger.info("Input ran out at step %d (before %d).", step, target)
-        if self._checkpointer:
-            self._checkpointer.save(step, state)
-            self._checkpointer.wait()
         return self
 
     # -- evaluate and predict --------------------------------------------------
-    def evaluate(self, input, *, steps: int | None = None) -> dict[str, float]:
+    def evaluate(self, input, *, steps: int | None = None, checkpoint: int | str | None = None) -> dict[str, float]:
         """Exact loss and metrics over the whole input (or its first ``steps`` batches).
 
         The last partial batch is padded and masked: every example counts
-        once. Returns the averages and ``num_examples``.
+        once. Returns the averages and ``num_examples``. ``checkpoint``: a
+        step of model_dir or a checkpoint path; default: the current state.
         """
         batch_size = self.config.global_eval_batch_size
         mesh_lib.check_batch_size("eval_batch_size", batch_size, self.mesh)
-        state = self._ensure_state()
+        state = self._state_at(checkpoint)
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
@@ -164,14 +207,18 @@ class Estimator:
         if "num_examples" in results:
             raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
         results["num_examples"] = float(next(iter(totals.values())).count)
-        report.Reporter(self.config.model_dir, self.config.log_every_steps, batch_size).eval(self._step, results)
+        step = int(jax.device_get(state.step))
+        report.Reporter(self.config.model_dir, self.config.log_every_steps, batch_size).eval(step, results)
         return results
 
-    def predict(self, input) -> Iterator:
-        """One prediction per example, in input order, as numpy (a dict if model_fn returned one)."""
+    def predict(self, input, *, checkpoint: int | str | None = None) -> Iterator:
+        """One prediction per example, in input order, as numpy (a dict if model_fn returned one).
+
+        ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
+        """
         batch_size = self.config.global_predict_batch_size
         mesh_lib.check_batch_size("predict_batch_size", batch_size, self.mesh)
-        state = self._ensure_state()
+        state = self._state_at(checkpoint)
         predict = self._evaluator().predict
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending = None

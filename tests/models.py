@@ -18,7 +18,7 @@ class MLP(nnx.Module):
 
 
 def mlp(rngs, params):
-    return MLP(rngs, dropout=params.get("dropout", 0.3))
+    return MLP(rngs, classes=params.get("classes", 3), dropout=params.get("dropout", 0.3))
 
 
 def model_fn(model, features, labels, mode, params):
@@ -38,14 +38,15 @@ def blobs(n: int = 512, seed: int = 0):
     return {"x": x}, labels
 
 
-def estimator(model_dir=None, *, lr=0.1, dropout=0.3, **config):
+def estimator(model_dir=None, *, lr=0.1, dropout=0.3, classes=3, optimizer=None, warm_start=None, **config):
     config.setdefault("train_batch_size", 32)
     config.setdefault("steps_per_loop", 4)
     config.setdefault("log_every_steps", 10)
     return ex.Estimator(
         model=mlp,
         model_fn=model_fn,
-        optimizer=optax.sgd(lr),
+        optimizer=optimizer or optax.sgd(lr),
         config=ex.RunConfig(model_dir=model_dir, **config),
-        params={"dropout": dropout},
+        params={"dropout": dropout, "classes": classes},
+        warm_start=warm_start,
     )

@@ -1,0 +1,141 @@
+"""Checkpoint policy, corruption fallback, choosing a checkpoint and warm start."""
+
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from models import blobs, estimator
+
+import estimax as ex
+
+DATA = ex.data.from_arrays(*blobs(256))
+
+
+def _steps(model_dir):
+    return sorted(int(d) for d in os.listdir(os.path.join(model_dir, "checkpoints")) if d.isdigit())
+
+
+def _params(est, **kw):
+    flat = nnx.to_flat_state(nnx.state(est.model(**kw), nnx.Param))
+    return {"/".join(map(str, k)): np.asarray(v) for k, v in flat}
+
+
+def _data_files(model_dir, step):
+    """The array data files of a checkpoint (tensorstore OCDBT ``d/`` directories)."""
+    root = os.path.join(model_dir, "checkpoints", str(step), "state")
+    return [os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if os.path.basename(r) == "d"]
+
+
+def test_policy_saves_on_crossed_steps_and_keeps_the_last(model_dir):
+    estimator(model_dir, steps_per_loop=3, checkpoint=ex.CheckpointPolicy(every_steps=5, keep=2)).train(
+        DATA, max_steps=20
+    )
+    assert _steps(model_dir) == [15, 20]  # saved at 6, 12, 15, 18 (crossings) and 20 (end); the last 2 kept
+
+
+def test_policy_saves_by_time(model_dir):
+    policy = ex.CheckpointPolicy(every_steps=None, every_seconds=1e-3, keep=100)
+    estimator(model_dir, steps_per_loop=4, checkpoint=policy).train(DATA, max_steps=16)
+    assert _steps(model_dir) == [4, 8, 12, 16]
+
+
+def test_save_every_steps_is_a_shorthand():
+    config = ex.RunConfig(save_every_steps=7, keep_checkpoints=1)
+    assert config.checkpoint == ex.CheckpointPolicy(every_steps=7, keep=1)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter"])
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damage, caplog):
+    est = estimator(model_dir, save_every_steps=4)
+    est.train(DATA, max_steps=8)
+    at_8 = _params(est)
+    est.train(DATA, max_steps=12)
+    for path in _data_files(model_dir, 12):
+        with open(path, "r+b") as f:
+            if damage == "truncate":
+                f.truncate(os.path.getsize(path) // 2)
+            else:
+                f.seek(os.path.getsize(path) // 2)
+                byte = f.read(1)
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level("WARNING", logger="estimax"):
+        resumed = estimator(model_dir, save_every_steps=4)
+        assert resumed.step == 8
+    assert "checkpoints/12 cannot be used" in caplog.text and "Restored step 8" in caplog.text
+    for name, value in _params(resumed).items():
+        np.testing.assert_array_equal(value, at_8[name])
+
+
+def test_altered_checksums_are_detected(model_dir):
+    import json
+
+    estimator(model_dir, save_every_steps=4).train(DATA, max_steps=8)
+    meta = os.path.join(model_dir, "checkpoints", "8", "meta", "metadata")
+    record = json.load(open(meta))
+    name = sorted(record["checksums"])[0]
+    record["checksums"][name] = (record["checksums"][name] + 1) % 2**32
+    json.dump(record, open(meta, "w"))
+    assert estimator(model_dir).step == 4
+
+
+def test_no_usable_checkpoint_is_an_error(model_dir):
+    estimator(model_dir, save_every_steps=None).train(DATA, max_steps=4)
+    for path in _data_files(model_dir, 4):
+        open(path, "wb").close()
+    with pytest.raises(ex.CheckpointError, match=r"No usable checkpoint in .*step 4: .*Fix:"):
+        _ = estimator(model_dir).step
+
+
+def test_evaluate_predict_and_model_take_a_checkpoint(model_dir):
+    est = estimator(model_dir, save_every_steps=4, keep_checkpoints=5).train(DATA, max_steps=12)
+    at_4 = estimator(steps_per_loop=4).train(DATA, max_steps=4)  # the same first 4 steps, in memory
+    by_step, by_path = _params(est, checkpoint=4), _params(est, checkpoint=os.path.join(model_dir, "checkpoints", "4"))
+    for name, value in _params(at_4).items():
+        np.testing.assert_array_equal(by_step[name], value)
+        np.testing.assert_array_equal(by_path[name], value)
+    assert est.evaluate(DATA, checkpoint=4) == at_4.evaluate(DATA)
+    first = next(iter(est.predict(DATA, checkpoint=4)))
+    np.testing.assert_array_equal(first["logits"], next(iter(at_4.predict(DATA)))["logits"])
+    assert est.step == 12  # choosing a checkpoint does not change the estimator's state
+    with pytest.raises(ex.CheckpointError, match="does not exist"):
+        est.model(checkpoint=os.path.join(model_dir, "nowhere"))
+
+
+def test_warm_start_loads_selected_parameters_and_reports_the_plan(tmp_path):
+    source = str(tmp_path / "source")
+    trained = estimator(source, optimizer=optax.adam(1e-2)).train(DATA, max_steps=8)
+    warm = ex.WarmStart(source, exclude=["l2/.*"])
+    fresh = estimator(classes=5)
+    plan = warm.plan(fresh.state_shapes().params)
+    assert plan.loaded == [("l1/bias", "l1/bias"), ("l1/kernel", "l1/kernel")]
+    assert plan.skipped == ["l2/bias", "l2/kernel"] and plan.initialised == ["l2/bias", "l2/kernel"]
+    assert "2 loaded, 2 skipped, 2 left at initialisation" in str(plan)
+
+    tuned = estimator(str(tmp_path / "tuned"), classes=5, optimizer=optax.adam(1e-2), warm_start=warm)
+    source_params, tuned_params, init_params = _params(trained), _params(tuned), _params(fresh)
+    np.testing.assert_array_equal(tuned_params["l1/kernel"], source_params["l1/kernel"])
+    np.testing.assert_array_equal(tuned_params["l2/kernel"], init_params["l2/kernel"])
+    opt_leaves = jax.tree.leaves(tuned._ensure_state().opt_state)
+    assert all(not np.any(np.asarray(x)) for x in opt_leaves if np.ndim(x))  # a fresh optimizer state
+    tuned.train(DATA, max_steps=4)
+    again = estimator(str(tmp_path / "tuned"), classes=5, optimizer=optax.adam(1e-2), warm_start=warm)
+    assert again.step == 4  # its own checkpoint wins over the warm start
+    with pytest.raises(ex.CheckpointError, match=r"tree structures do not match.*model or optimizer changed"):
+        _ = estimator(str(tmp_path / "tuned"), classes=5).step  # another optimizer state
+
+
+def test_warm_start_errors_and_array_sources(tmp_path):
+    source = str(tmp_path / "source")
+    trained = estimator(source).train(DATA, max_steps=4)
+    with pytest.raises(ValueError, match=r"parameter l2/bias has shape \(5,\) but l2/bias .* has shape \(3,\)"):
+        _ = estimator(classes=5, warm_start=ex.WarmStart(source)).step
+    arrays = str(tmp_path / "params.npz")
+    np.savez(arrays, **{"first/kernel": _params(trained)["l1/kernel"]})
+    renamed = estimator(warm_start=ex.WarmStart(arrays, include=["l1/kernel"], rename={"l1/": "first/"}))
+    np.testing.assert_array_equal(_params(renamed)["l1/kernel"], _params(trained)["l1/kernel"])
+    with_optimizer = estimator(warm_start=ex.WarmStart(source, optimizer_state=True))
+    assert with_optimizer.step == 0
