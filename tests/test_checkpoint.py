@@ -139,3 +139,35 @@ def test_warm_start_errors_and_array_sources(tmp_path):
     np.testing.assert_array_equal(_params(renamed)["l1/kernel"], _params(trained)["l1/kernel"])
     with_optimizer = estimator(warm_start=ex.WarmStart(source, optimizer_state=True))
     assert with_optimizer.step == 0
+
+
+def test_readme_fine_tuning_example(tmp_path):
+    """The README's example: the digits CNN fine-tuned with a new 5-class head."""
+    from estimax.examples import digits
+
+    train, _ = digits.load()
+    config = ex.RunConfig(model_dir=str(tmp_path / "digits"), train_batch_size=64, steps_per_loop=5, loop="step")
+    digits.estimator(config).train(train, max_steps=10)
+
+    first_five = train.labels < 5
+    subset = ex.data.from_arrays({"image": train.features["image"][first_five]}, train.labels[first_five])
+    tuned = ex.Estimator(
+        model=digits.build_model,
+        model_fn=digits.model_fn,
+        optimizer=digits.optimizer(),
+        config=ex.RunConfig(model_dir=str(tmp_path / "digits-0to4"), train_batch_size=64, steps_per_loop=5),
+        params={"num_classes": 5},
+        warm_start=ex.WarmStart(str(tmp_path / "digits"), exclude=["head/.*"]),
+    )
+    plan = ex.WarmStart(str(tmp_path / "digits"), exclude=["head/.*"]).plan(tuned.state_shapes().params)
+    assert [t for t, _ in plan.loaded] == [
+        "conv1/bias",
+        "conv1/kernel",
+        "conv2/bias",
+        "conv2/kernel",
+        "dense/bias",
+        "dense/kernel",
+    ]
+    assert plan.initialised == ["head/bias", "head/kernel"]
+    tuned.train(subset, max_steps=10)
+    assert tuned.evaluate(subset)["num_examples"] == first_five.sum()
