@@ -44,7 +44,9 @@ class TrainRunner:
         rep, stack = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh, stacked=True)
         batch = mesh_lib.batch_sharding(mesh)
         self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack), out_shardings=(rep, rep), donate_argnums=0)
-        self.step = jax.jit(core.train_step, in_shardings=(rep, batch), out_shardings=(rep, rep), donate_argnums=0)
+        self.step = jax.jit(
+            _with_step_axis(core.train_step), in_shardings=(rep, batch), out_shardings=(rep, rep), donate_argnums=0
+        )
         # Separate from the step so that a shorter final stack recompiles only this slice.
         self._batch_at = jax.jit(
             lambda s, i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), s),
@@ -135,10 +137,20 @@ class TrainRunner:
         return state, outputs
 
 
+def _with_step_axis(train_step):
+    """``train_step`` whose outputs have a leading steps axis of 1, like a scan's."""
+
+    def step(state, batch):
+        state, outputs = train_step(state, batch)
+        return state, jax.tree.map(lambda x: x[None], outputs)
+
+    return step
+
+
 def read_outputs(outputs: list[dict]) -> dict[str, np.ndarray]:
-    """Per-step outputs of a loop as host arrays of shape ``(num_steps,)``."""
+    """Per-step outputs of a loop as host arrays with a leading ``(num_steps,)`` axis."""
     host = jax.device_get(outputs)  # host sync: the loop that produced them is done
-    return {k: np.concatenate([np.atleast_1d(o[k]) for o in host]) for k in host[0]}
+    return {k: np.concatenate([o[k] for o in host]) for k in host[0]}
 
 
 class EvalRunner:

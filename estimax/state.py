@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
+
 
 class TrainState(NamedTuple):
     """Attributes:
@@ -23,3 +25,9 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any
     rng: Any
+
+
+def leaf_names(tree) -> list[str]:
+    """``/``-joined paths of the leaves of a parameter tree, e.g. ``conv1/kernel``, in leaf order."""
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+    return [jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value") for p in paths]

@@ -70,7 +70,12 @@ class Core:
         (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        outputs = {"loss": loss}
+        outputs = {
+            "loss": loss,
+            "grad_norm": optax.tree.norm(grads),
+            # One flag per parameter, so that a NaN is reported with the parameters it hit.
+            "finite_grads": jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]),
+        }
         outputs.update({k: jnp.mean(jnp.asarray(v, jnp.float32)) for k, v in (spec.metrics or {}).items()})
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
 

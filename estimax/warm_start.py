@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from estimax import checkpoint as checkpoint_lib
+from estimax.state import leaf_names
 
 logger = logging.getLogger("estimax")
 
@@ -77,14 +78,15 @@ class WarmStart:
         logger.info("%s", plan)
         chosen = dict(plan.loaded)
 
-        def load(path, leaf):
-            name = _name(path)
+        def load(name, leaf):
             if name not in chosen:
                 return leaf
-            value = np.asarray(source[chosen[name]]).astype(leaf.dtype)
-            return jax.device_put(value, leaf.sharding)
+            return jax.device_put(np.asarray(source[chosen[name]]).astype(leaf.dtype), leaf.sharding)
 
-        params = jax.tree_util.tree_map_with_path(load, state.params)
+        leaves, treedef = jax.tree.flatten(state.params)
+        params = jax.tree.unflatten(
+            treedef, [load(n, x) for n, x in zip(leaf_names(state.params), leaves, strict=True)]
+        )
         opt_state = state.opt_state
         if self.optimizer_state:
             if raw is None:
@@ -153,11 +155,7 @@ def _has_npy(path: str) -> bool:
     return any(f.endswith(".npy") for _, _, files in os.walk(path) for f in files)
 
 
-def _name(path) -> str:
-    return jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
-
-
 def _flatten(tree, arrays: bool = False) -> dict:
     """``{path: shape}`` (or ``{path: array}``) of every leaf of a parameter tree."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {_name(p): (np.asarray(x) if arrays else np.shape(x)) for p, x in leaves}
+    leaves = jax.tree.leaves(tree)
+    return {n: (np.asarray(x) if arrays else np.shape(x)) for n, x in zip(leaf_names(tree), leaves, strict=True)}

@@ -1,0 +1,132 @@
+"""Hooks: host-side callbacks at the boundaries of training and evaluation.
+
+A hook receives immutable records of what just happened, as host values; it
+never waits on the device. "Every N steps" means a multiple of N was
+*crossed* (``LoopRecord.crossed(N)``): a loop advances the step by
+``steps_per_loop``, so multiples are rarely hit exactly. ``after_loop`` and
+``after_eval`` may return ``True`` to stop training (early stopping does).
+The built-in logging, progress bar and early stopping are hooks too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+logger = logging.getLogger("estimax")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What a ``train`` call is about to do."""
+
+    start_step: int
+    target_step: int
+    global_batch_size: int
+    steps_per_epoch: int | None
+    model_dir: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopRecord:
+    """One device loop that finished: steps ``step_before`` -> ``step_after``.
+
+    ``outputs`` holds per-step values (``loss``, metrics, ``grad_norm``, ...)
+    of shape ``(num_steps,)``. ``seconds`` is the wall time since the previous
+    loop finished (``None`` for the first loop, which includes compilation),
+    ``input_wait_seconds`` how much of it the host waited for input.
+    """
+
+    step_before: int
+    step_after: int
+    outputs: Mapping[str, np.ndarray]
+    seconds: float | None
+    input_wait_seconds: float
+    final: bool = False
+
+    @property
+    def num_steps(self) -> int:
+        return self.step_after - self.step_before
+
+    def crossed(self, every: int | None) -> bool:
+        """Whether this loop crossed a multiple of ``every`` steps."""
+        return bool(every) and self.step_after // every > self.step_before // every
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalRecord:
+    step: int
+    split: str
+    metrics: Mapping[str, float]
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The end of a ``train`` or ``train_and_evaluate`` call.
+
+    ``seconds`` splits the wall time into ``compile``, ``device``,
+    ``input_wait``, ``checkpoint`` and ``evaluation``.
+    """
+
+    step: int
+    seconds: Mapping[str, float]
+    metrics: Mapping[str, float]
+
+
+class Hook:
+    """Override the methods you need; each receives an immutable record."""
+
+    def begin(self, run: RunInfo) -> None:
+        pass
+
+    def after_loop(self, loop: LoopRecord) -> bool | None:
+        pass
+
+    def after_eval(self, evaluation: EvalRecord) -> bool | None:
+        pass
+
+    def end(self, summary: Summary) -> None:
+        pass
+
+
+class EarlyStopping(Hook):
+    """Stops training when ``metric`` of split ``split`` has not improved for ``patience`` evaluations."""
+
+    def __init__(self, metric: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0, split: str = "eval"):
+        if mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping(mode={mode!r}); expected 'min' or 'max'.")
+        if patience < 1:
+            raise ValueError(f"EarlyStopping(patience={patience}) must be at least 1.")
+        self.metric, self.mode, self.patience, self.min_delta, self.split = metric, mode, patience, min_delta, split
+        self.best = math.inf if mode == "min" else -math.inf
+        self.bad_evaluations = 0
+
+    def after_eval(self, evaluation: EvalRecord) -> bool:
+        if evaluation.split != self.split:
+            return False
+        if self.metric not in evaluation.metrics:
+            raise ValueError(
+                f"EarlyStopping(metric={self.metric!r}) is not among the evaluation's metrics "
+                f"{sorted(evaluation.metrics)}; expected one of them."
+            )
+        value = evaluation.metrics[self.metric]
+        improved = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        if improved:
+            self.best, self.bad_evaluations = value, 0
+            return False
+        self.bad_evaluations += 1
+        if self.bad_evaluations >= self.patience:
+            logger.info(
+                "Early stopping at step %d: %s has not improved on %.4g for %d evaluations.",
+                evaluation.step,
+                self.metric,
+                self.best,
+                self.patience,
+            )
+            return True
+        return False
