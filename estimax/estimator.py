@@ -128,14 +128,14 @@ class Estimator:
             for chunk in chunks:
                 state, outputs = runner.run(state, chunk)
                 if pending is not None:
-                    reporter.train(pending[0], pending[1], read_outputs(pending[2]))
+                    reporter.train(pending[0], pending[1], read_outputs(pending[2]), input_wait=chunks.wait_seconds)
                 pending = (step, step + chunk.num_steps, outputs)
                 step += chunk.num_steps
                 self._state, self._step = state, step
                 if self._checkpointer and self._checkpointer.due(pending[0], step):
                     self._checkpointer.save(step, state)
         if pending is not None:
-            reporter.train(pending[0], pending[1], read_outputs(pending[2]), final=True)
+            reporter.train(pending[0], pending[1], read_outputs(pending[2]), True, input_wait=chunks.wait_seconds)
         if step < target:
             logger.info("Input ran out at step %d (before %d).", step, target)
         if self._checkpointer:
