@@ -127,6 +127,7 @@ class Estimator:
         with feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks:
             for chunk in chunks:
                 state, outputs = runner.run(state, chunk)
+                chunks.busy = outputs  # input_wait_fraction counts the device's idle time only
                 if pending is not None:
                     reporter.train(pending[0], pending[1], read_outputs(pending[2]), input_wait=chunks.wait_seconds)
                 pending = (step, step + chunk.num_steps, outputs)

@@ -2,8 +2,11 @@
 exact evaluation on every process, resume positions and errors that name the culprit."""
 
 import itertools
+import json
 import logging
+import os
 import re
+import time
 
 import grain
 import numpy as np
@@ -180,3 +183,23 @@ def test_bad_examples_are_named():
         estimator().evaluate(ex.data.from_grain(text))
     with pytest.raises(TypeError, match=r"expected a \(features, labels\) tuple"):
         estimator().evaluate(ex.data.from_grain(grain.MapDataset.range(64)))
+
+
+def test_input_wait_fraction_is_logged_and_large_only_when_input_is_slow(model_dir):
+    features, labels = blobs(512)
+
+    def slow(i):
+        time.sleep(0.002)  # 64 ms per batch of 32: far slower than a step of this MLP
+        return {"x": features["x"][i]}, labels[i]
+
+    options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=32)
+    slow_input = ex.data.from_grain(grain.MapDataset.range(512).map(slow), read_options=options)
+    for run, data in (("fast", ex.data.from_arrays(features, labels)), ("slow", slow_input)):
+        estimator(f"{model_dir}-{run}", steps_per_loop=4, log_every_steps=8, loop="scan").train(data, max_steps=24)
+    records = {
+        run: [json.loads(line) for line in open(os.path.join(f"{model_dir}-{run}", "metrics.jsonl"))]
+        for run in ("fast", "slow")
+    }
+    assert all(0 <= r["input_wait_fraction"] <= 1 for rs in records.values() for r in rs)
+    assert records["slow"][-1]["input_wait_fraction"] > 0.5  # the device waits for most of the time
+    assert records["fast"][-1]["input_wait_fraction"] < records["slow"][-1]["input_wait_fraction"]

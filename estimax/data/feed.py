@@ -233,13 +233,18 @@ class Prefetch:
     """Runs an iterator on a background thread, ``depth`` items ahead of the consumer.
 
     The next stack is built and transferred while the device runs the current
-    loop. Errors raised by the producer are re-raised by ``next()``.
+    loop. Errors raised by the producer are re-raised by ``next()``. Set
+    ``busy`` to the outputs of the work just dispatched: ``wait_seconds`` then
+    counts only the time the device is idle waiting for input.
     """
 
     _DONE = object()
 
     def __init__(self, iterator: Iterator, depth: int = 2):
-        self.wait_seconds = 0.0  # time the consumer spent blocked in next(), waiting for input
+        # Time the consumer spent blocked in next() while ``busy`` (the work it last
+        # dispatched, if it says so) was done: the time the device waited for input.
+        self.wait_seconds = 0.0
+        self.busy = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -275,6 +280,11 @@ class Prefetch:
     def __next__(self):
         if self._done:
             raise StopIteration
+        if self.busy is not None and self._queue.empty():
+            # host sync: nothing can be dispatched before the input arrives, so let the
+            # device finish first; only the time it then stays idle counts as waiting.
+            jax.block_until_ready(self.busy)
+            self.busy = None
         start = time.perf_counter()
         item = self._queue.get()
         self.wait_seconds += time.perf_counter() - start
