@@ -163,8 +163,9 @@ class Estimator:
         ):
             for chunk in chunks:
                 state, outputs = runner.run(state, chunk)
+                chunks.busy = outputs  # input_wait_fraction counts the device's idle time only
                 if pending is not None:
-                    reporter.train(pending[0], pending[1], read_outputs(pending[2]))
+                    reporter.train(pending[0], pending[1], read_outputs(pending[2]), input_wait=chunks.wait_seconds)
                 pending = (step, step + chunk.num_steps, outputs)
                 step += chunk.num_steps
                 self._state, self._step = state, step
@@ -173,7 +174,7 @@ class Estimator:
                 if checkpointer and checkpointer.due(pending[0], step):
                     checkpointer.save(step, state)
         if pending is not None:
-            reporter.train(pending[0], pending[1], read_outputs(pending[2]), final=True)
+            reporter.train(pending[0], pending[1], read_outputs(pending[2]), True, input_wait=chunks.wait_seconds)
         if checkpointer:
             checkpointer.save(step, state)
             checkpointer.wait()

@@ -29,10 +29,20 @@ class Reporter:
         # dispatched after it, so it comes earlier in the loop's life) are not timed.
         self._timed_steps = 0
         self._since = self._until = None
+        # input_wait_fraction: seconds the loop waited for input over the wall time of each line.
+        self._wall_mark, self._wait_mark = time.perf_counter(), 0.0
 
-    def train(self, step_before: int, step_after: int, outputs: dict[str, np.ndarray], final: bool = False):
+    def train(
+        self,
+        step_before: int,
+        step_after: int,
+        outputs: dict[str, np.ndarray],
+        final: bool = False,
+        input_wait: float | None = None,
+    ):
         """Adds a loop's per-step outputs (read when the loop is done); logs when a multiple
-        of ``log_every_steps`` was crossed, or at the end with ``final``."""
+        of ``log_every_steps`` was crossed, or at the end with ``final``. ``input_wait`` is
+        the total time the loop has waited for input so far."""
         now = time.perf_counter()
         for name, values in outputs.items():
             self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values, dtype=np.float64))
@@ -48,6 +58,9 @@ class Reporter:
         if self._timed_steps:
             steps_per_sec = self._timed_steps / max(self._until - self._since, 1e-9)
             record.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
+        if input_wait is not None:
+            record["input_wait_fraction"] = (input_wait - self._wait_mark) / max(now - self._wall_mark, 1e-9)
+            self._wall_mark, self._wait_mark = now, input_wait
         logger.info("step %d  %s", step_after, _format(record))
         self._write({"split": "train", "step": step_after, **record})
         self._sums, self._steps, self._timed_steps, self._since = {}, 0, 0, self._until

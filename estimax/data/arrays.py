@@ -4,7 +4,8 @@ Training batches are random-access by step (batch ``s`` is a pure function of
 the seed and ``s``), so a resumed run continues exactly where it stopped from
 the step alone. Each epoch is a fresh permutation; the remainder of an epoch
 that does not fill a batch is dropped, so every example is seen at most once
-per epoch. Evaluation batches run in order and keep the final partial batch.
+per epoch. Evaluation batches run in order and keep the final partial batch. Each
+process reads rows ``process_index::process_count``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ class ArrayDataset:
 
     def __len__(self) -> int:
         return self._size
+
+    def __getitem__(self, index: int):
+        """Example ``index`` as ``(features, labels)``: a Grain ``RandomAccessDataSource``,
+        so ``grain.MapDataset.source(from_arrays(...))`` composes Grain transforms on arrays."""
+        return self._take(index)
 
     def _take(self, index: np.ndarray):
         """(features, labels) of the rows ``index``; a 2-D index gives stacked batches."""
@@ -94,9 +100,11 @@ class ArrayDataset:
             first = 0
 
     def eval_batches(self, host_batch_size: int, *, process_index: int = 0, process_count: int = 1) -> Iterator:
-        """Every example of this process once, in order; the last batch may be short."""
+        """Every example of this process once, in order; the last batches may be short or
+        empty, so that every process yields as many batches as the largest shard needs."""
         rows = self._shard(process_index, process_count)
-        for i in range(0, len(rows), host_batch_size):
+        largest = -(-self._size // process_count)
+        for i in range(0, -(-largest // host_batch_size) * host_batch_size, host_batch_size):
             yield self._take(rows[i : i + host_batch_size])
 
 

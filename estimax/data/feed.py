@@ -1,30 +1,43 @@
 """From a user's input to arrays on the mesh, without stalling the device.
 
-Owns: turning any supported input into host-local batches, checking every
-batch against the first (structure, shapes, dtypes), padding the final
-evaluation batch with a mask, stacking ``steps_per_loop`` training batches,
-and building the next stack on a background thread while the device runs.
-Does not own shuffling or file formats (the sources do) nor device loops.
+Owns: turning any supported input into host-local batches (checked by
+``checks``), padding evaluation batches with a mask, stacking
+``steps_per_loop`` training batches with the input position after them, and
+building the next stack on a background thread while the device runs (timing
+how long the consumer waits for it). Does not own shuffling or file formats
+(the sources do) nor device loops.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from estimax import mesh as mesh_lib
+from estimax.data.checks import BatchChecker, check_pair
+
+__all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "train_stacks", "eval_batches"]
 
 
 class DeviceChunk(NamedTuple):
-    """``num_steps`` global batches stacked on a leading axis, on the mesh."""
+    """``num_steps`` global batches stacked on a leading axis, on the mesh.
+
+    ``input_state`` is the input position right after this chunk's batches
+    were drawn (a small JSON-able value to save with a checkpoint and hand
+    back to ``train_stacks(input_state=...)``), or ``None`` where the step
+    alone determines the position (random-access sources) or the input
+    cannot say (plain iterables).
+    """
 
     stack: Any
     num_steps: int
+    input_state: Any = None
 
 
 class DeviceBatch(NamedTuple):
@@ -39,23 +52,63 @@ class DeviceBatch(NamedTuple):
 # -- host batches -------------------------------------------------------------
 
 
-def train_stacks(source, host_batch_size: int, chunk_sizes: list[int], *, seed: int, start_step: int) -> Iterator:
+class Stacks:
+    """An iterator of host stacks that knows the input position after the last one drawn."""
+
+    def __init__(self, stacks: Iterator, state: Callable[[], Any] | None = None):
+        self._stacks, self._state = stacks, state
+        self.input_state = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        stack = next(self._stacks)
+        if self._state is not None:
+            self.input_state = self._state()
+        return stack
+
+
+def train_stacks(
+    source,
+    host_batch_size: int,
+    chunk_sizes: list[int],
+    *,
+    seed: int,
+    start_step: int,
+    input_state: Any = None,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> Stacks:
     """Host stacks ``(num_steps, host_batch, ...)`` of training batches, one per chunk size.
 
-    Sources that can seek and stack (``from_arrays``) deliver them from
-    ``start_step`` in one gather each; plain iterables are checked batch by
-    batch and stacked here, and may end early with a shorter stack.
+    Sources that can seek and stack (``from_arrays``, Grain ``MapDataset``s,
+    files) deliver them from ``start_step`` themselves; streaming sources
+    (a Grain ``IterDataset``) resume from ``input_state``, the value a
+    ``DeviceChunk`` carried. Plain iterables are checked batch by batch and
+    stacked here, and may end early with a shorter stack. The process index
+    and count default to JAX's.
     """
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
     if hasattr(source, "train_stacks"):
-        return source.train_stacks(
+        kwargs = {} if input_state is None else {"input_state": input_state}
+        stacks = source.train_stacks(
             host_batch_size,
             chunk_sizes,
             seed=seed,
             start_step=start_step,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
+            process_index=process_index,
+            process_count=process_count,
+            **kwargs,
         )
-    return _stack(_drop_final_partial(_iterate(source), host_batch_size), chunk_sizes)
+        return stacks if isinstance(stacks, Stacks) else Stacks(stacks)
+    if input_state is not None:
+        raise ValueError(
+            f"train_stacks(input_state={input_state!r}) cannot resume a {type(source).__name__}; "
+            "expected input_state=None for plain iterables (they restart where the caller left them)."
+        )
+    return Stacks(_stack(_drop_final_partial(_iterate(source), host_batch_size), chunk_sizes))
 
 
 def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
@@ -68,13 +121,39 @@ def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
             return
 
 
-def eval_batches(source, host_batch_size: int) -> Iterator:
-    """Every host batch of evaluation input once; the last one may be short."""
+def eval_batches(
+    source, host_batch_size: int, *, process_index: int | None = None, process_count: int | None = None
+) -> Iterator:
+    """Every host batch of evaluation input once; the last ones may be short or empty.
+
+    Sources of known size yield the same number of batches on every process
+    (the most any process needs): a process with fewer examples ends with
+    short or empty batches, padded and fully masked by ``eval_device_batches``,
+    so that every process runs the same steps and each example counts once.
+    Plain iterables must yield the same number of batches on every process.
+    """
     if hasattr(source, "eval_batches"):
         return source.eval_batches(
-            host_batch_size, process_index=jax.process_index(), process_count=jax.process_count()
+            host_batch_size,
+            process_index=jax.process_index() if process_index is None else process_index,
+            process_count=jax.process_count() if process_count is None else process_count,
         )
     return _iterate(source)
+
+
+def pad_batches(batches: Iterator, num_batches: int, empty: Callable[[], Any]) -> Iterator:
+    """``batches`` followed by empty batches (0 rows, the same arrays) up to ``num_batches``.
+
+    ``empty()`` gives the empty batch when this process had no batch at all.
+    """
+    count, last = 0, None
+    for last in batches:
+        count += 1
+        yield last
+    if count < num_batches:
+        zero = jax.tree.map(lambda x: x[:0], last) if last is not None else empty()
+        for _ in range(num_batches - count):
+            yield zero
 
 
 def _iterate(source) -> Iterator:
@@ -84,11 +163,7 @@ def _iterate(source) -> Iterator:
             "or an iterable of (features, labels) host batches."
         )
     for item in source:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise TypeError(
-                f"Input yielded {type(item).__name__}; expected a (features, labels) tuple "
-                "(labels may be None for prediction)."
-            )
+        check_pair(item)
         yield item
 
 
@@ -114,79 +189,17 @@ def _rows(batch) -> int:
     return np.shape(leaves[0])[0]
 
 
-class BatchChecker:
-    """Checks that every batch matches the first: same features, shapes and numeric dtypes.
-
-    The first batch is described in full; later ones are compared by a cheap
-    signature and described only when it differs (this runs once per batch).
-    """
-
-    def __init__(self):
-        self._signature = None
-        self._expected = None
-        self._count = 0
-
-    def __call__(self, batch) -> Any:
-        leaves, treedef = jax.tree.flatten(batch)
-        leaves = [np.asarray(x) for x in leaves]
-        signature = (treedef, tuple((x.shape[1:], x.dtype) for x in leaves), {x.shape[:1] for x in leaves})
-        if signature != self._signature:
-            batch = jax.tree.unflatten(treedef, leaves)
-            found = _describe(batch)
-            if self._expected is None:
-                self._expected, self._signature = found, signature
-            elif found != self._expected:
-                raise ValueError(f"Input batch {self._count}: {_difference(self._expected, found)}")
-        self._count += 1
-        return jax.tree.unflatten(treedef, leaves)
-
-
-def _describe(batch) -> dict[str, tuple]:
-    described, rows = {}, None
-    for part, tree in zip(("features", "labels"), batch, strict=True):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            name = part + jax.tree_util.keystr(path)
-            if leaf.dtype.kind not in "biuf":
-                raise ValueError(
-                    f"Input {name} has dtype {leaf.dtype}; expected numbers (bool, int, float). "
-                    "Fix: encode text or objects as numeric arrays before feeding them."
-                )
-            if leaf.ndim == 0:
-                raise ValueError(f"Input {name} is a scalar; expected one row per example.")
-            if rows is not None and leaf.shape[0] != rows:
-                raise ValueError(
-                    f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "
-                    "other arrays of the batch (one row per example)."
-                )
-            rows = leaf.shape[0]
-            described[name] = (leaf.shape[1:], leaf.dtype)
-    return described
-
-
-def _difference(expected: dict, found: dict) -> str:
-    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-    if missing or extra:
-        return (
-            f"received arrays {sorted(found)}; expected {sorted(expected)} as in the first batch "
-            f"(missing: {missing or 'none'}, unexpected: {extra or 'none'})."
-        )
-    name = next(k for k in expected if expected[k] != found[k])
-    (shape, dtype), (want_shape, want_dtype) = found[name], expected[name]
-    return (
-        f"{name} has per-example shape {shape} and dtype {dtype}; expected {want_shape} {want_dtype} "
-        "as in the first batch. Every batch must have the same shapes and dtypes."
-    )
-
-
 # -- host -> device -----------------------------------------------------------
 
 
 def train_chunks(stacks: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceChunk]:
-    """Host stacks of training batches as global arrays on the mesh."""
+    """Host stacks of training batches as global arrays on the mesh, each with the input
+    position read right after its batches were drawn (before any later stack is)."""
     sharding = mesh_lib.batch_sharding(mesh, stacked=True)
     for stack in stacks:
+        input_state = getattr(stacks, "input_state", None)
         num_steps = jax.tree.leaves(stack)[0].shape[0]
-        yield DeviceChunk(mesh_lib.to_global(stack, sharding, global_batch_size), num_steps)
+        yield DeviceChunk(mesh_lib.to_global(stack, sharding, global_batch_size), num_steps, input_state)
 
 
 def eval_device_batches(batches: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceBatch]:
@@ -220,12 +233,18 @@ class Prefetch:
     """Runs an iterator on a background thread, ``depth`` items ahead of the consumer.
 
     The next stack is built and transferred while the device runs the current
-    loop. Errors raised by the producer are re-raised by ``next()``.
+    loop. Errors raised by the producer are re-raised by ``next()``. Set
+    ``busy`` to the outputs of the work just dispatched: ``wait_seconds`` then
+    counts only the time the device is idle waiting for input.
     """
 
     _DONE = object()
 
     def __init__(self, iterator: Iterator, depth: int = 2):
+        # Time the consumer spent blocked in next() while ``busy`` (the work it last
+        # dispatched, if it says so) was done: the time the device waited for input.
+        self.wait_seconds = 0.0
+        self.busy = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -240,6 +259,10 @@ class Prefetch:
         except BaseException as error:  # forwarded to the consumer
             self._put(error)
             return
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:  # ends worker processes and threads of the source (Grain)
+                close()
         self._put(self._DONE)
 
     def _put(self, item) -> bool:
@@ -257,7 +280,14 @@ class Prefetch:
     def __next__(self):
         if self._done:
             raise StopIteration
+        if self.busy is not None and self._queue.empty():
+            # host sync: nothing can be dispatched before the input arrives, so let the
+            # device finish first; only the time it then stays idle counts as waiting.
+            jax.block_until_ready(self.busy)
+            self.busy = None
+        start = time.perf_counter()
         item = self._queue.get()
+        self.wait_seconds += time.perf_counter() - start
         if item is self._DONE or isinstance(item, BaseException):
             self._done = True
         if isinstance(item, BaseException):

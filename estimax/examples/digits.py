@@ -69,11 +69,11 @@ def optimizer(learning_rate: float = 1e-3) -> optax.GradientTransformation:
     return optax.adamw(learning_rate, weight_decay=1e-4)
 
 
-def estimator(config: ex.RunConfig) -> ex.Estimator:
+def estimator(config: ex.RunConfig, image_size: int = 8) -> ex.Estimator:
     return ex.Estimator(
         model=build_model,
         model_fn=model_fn,
         optimizer=optimizer(),
         config=config,
-        params={"image_size": 8, "num_classes": 10},
+        params={"image_size": image_size, "num_classes": 10},
     )

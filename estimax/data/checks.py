@@ -1,0 +1,118 @@
+"""Input checks: every batch like the first, every example of a batch like the first.
+
+Owns the error messages for bad input (a missing or unexpected array, another
+shape or dtype, non-numeric data, rows that disagree) and the checked stacking
+of examples into a batch used by the Grain sources. Raises before or at the
+first step; touches nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class BatchChecker:
+    """Checks that every batch matches the first: same features, shapes and numeric dtypes.
+
+    The first batch is described in full; later ones are compared by a cheap
+    signature and described only when it differs (this runs once per batch).
+    """
+
+    def __init__(self):
+        self._signature = None
+        self._expected = None
+        self._count = 0
+
+    def __call__(self, batch) -> Any:
+        leaves, treedef = jax.tree.flatten(batch)
+        leaves = [np.asarray(x) for x in leaves]
+        signature = (treedef, tuple((x.shape[1:], x.dtype) for x in leaves), {x.shape[:1] for x in leaves})
+        if signature != self._signature:
+            batch = jax.tree.unflatten(treedef, leaves)
+            found = describe(batch)
+            if self._expected is None:
+                self._expected, self._signature = found, signature
+            elif found != self._expected:
+                raise ValueError(f"Input batch {self._count}: {difference(self._expected, found, 'the first batch')}")
+        self._count += 1
+        return jax.tree.unflatten(treedef, leaves)
+
+
+def check_pair(item, what: str = "Input") -> None:
+    if not (isinstance(item, tuple) and len(item) == 2):
+        raise TypeError(
+            f"{what} yielded {type(item).__name__}; expected a (features, labels) tuple "
+            "(labels may be None for prediction)."
+        )
+
+
+def stack_examples(examples: Sequence) -> tuple:
+    """Stacks ``(features, labels)`` examples into one batch, checking each against the first.
+
+    The ``batch_fn`` of the Grain sources: a bad example is named by its
+    position in the batch and by the array that differs.
+    """
+    check_pair(examples[0], "The dataset")
+    leaves0, treedef = jax.tree.flatten(examples[0])
+    leaves0 = [np.asarray(x) for x in leaves0]
+    signature = [(x.shape, x.dtype) for x in leaves0]
+    columns = [[x] for x in leaves0]
+    for i, example in enumerate(examples[1:], 1):
+        check_pair(example, "The dataset")
+        leaves, other = jax.tree.flatten(example)
+        leaves = [np.asarray(x) for x in leaves]
+        if other != treedef or [(x.shape, x.dtype) for x in leaves] != signature:
+            expected = describe(_as_rows(jax.tree.unflatten(treedef, leaves0)))
+            found = describe(_as_rows(example), check=False)
+            raise ValueError(f"Example {i} of a batch: {difference(expected, found, 'the first example')}")
+        for column, x in zip(columns, leaves, strict=True):
+            column.append(x)
+    return jax.tree.unflatten(treedef, [np.stack(c) for c in columns])
+
+
+def _as_rows(example):
+    """One example as a batch of one row, so that it can be described like a batch."""
+    return jax.tree.map(lambda x: np.asarray(x)[None], example)
+
+
+def describe(batch, check: bool = True) -> dict[str, tuple]:
+    """name -> (per-example shape, dtype) of a ``(features, labels)`` batch."""
+    described, rows = {}, None
+    for part, tree in zip(("features", "labels"), batch, strict=True):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+            leaf = np.asarray(leaf)
+            name = part + jax.tree_util.keystr(path)
+            if check and leaf.dtype.kind not in "biuf":
+                raise ValueError(
+                    f"Input {name} has dtype {leaf.dtype}; expected numbers (bool, int, float). "
+                    "Fix: encode text or objects as numeric arrays before feeding them."
+                )
+            if leaf.ndim == 0:
+                raise ValueError(f"Input {name} is a scalar; expected one row per example.")
+            if check and rows is not None and leaf.shape[0] != rows:
+                raise ValueError(
+                    f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "
+                    "other arrays of the batch (one row per example)."
+                )
+            rows = leaf.shape[0]
+            described[name] = (leaf.shape[1:], leaf.dtype)
+    return described
+
+
+def difference(expected: dict, found: dict, reference: str) -> str:
+    missing, extra = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    if missing or extra:
+        return (
+            f"received arrays {sorted(found)}; expected {sorted(expected)} as in {reference} "
+            f"(missing: {missing or 'none'}, unexpected: {extra or 'none'})."
+        )
+    name = next(k for k in expected if expected[k] != found[k])
+    (shape, dtype), (want_shape, want_dtype) = found[name], expected[name]
+    return (
+        f"{name} has per-example shape {shape} and dtype {dtype}; expected {want_shape} {want_dtype} "
+        f"as in {reference}. Every batch must have the same shapes and dtypes."
+    )

@@ -1,0 +1,62 @@
+"""Files by name, pattern or list, local or remote, through fsspec.
+
+Owns expanding paths (a path, a glob such as ``data/train-*.tfrecord``, or a
+list of either; any fsspec URL: ``gs://``, ``s3://``, ``memory://``, local),
+opening and reading byte ranges, and assigning files to processes. Does not
+own any file format.
+"""
+
+from __future__ import annotations
+
+import glob as glob_lib
+import gzip
+import os
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import fsspec
+
+
+class File(NamedTuple):
+    """One file on a filesystem; ``name`` is how errors show it to the user."""
+
+    fs: fsspec.AbstractFileSystem
+    path: str
+    name: str
+
+    def open(self):
+        handle = self.fs.open(self.path, "rb")
+        return gzip.GzipFile(fileobj=handle) if self.path.endswith(".gz") else handle
+
+    def read_range(self, start: int, end: int) -> bytes:
+        return self.fs.cat_file(self.path, start=start, end=end)
+
+    def size(self) -> int:
+        return self.fs.size(self.path)
+
+
+def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]:
+    """The files named by ``paths`` (globs expanded and sorted), in order; raises if a
+    name matches nothing."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = []
+    for pattern in map(os.fspath, paths):
+        fs, path = fsspec.core.url_to_fs(pattern)
+        matches = sorted(fs.glob(path)) if glob_lib.has_magic(path) else [path] if fs.isfile(path) else []
+        if not matches:
+            raise FileNotFoundError(f"Input files {pattern!r} match no file; expected an existing path or pattern.")
+        files.extend(File(fs, m, _display(pattern, fs, m)) for m in matches)
+    if not files:
+        raise FileNotFoundError("Input files: received an empty list; expected at least one path.")
+    return files
+
+
+def _display(pattern: str, fs, path: str) -> str:
+    return path if "://" not in pattern else fs.unstrip_protocol(path)
+
+
+def for_process(files: list[File], process_index: int, process_count: int) -> list[File] | None:
+    """The files process ``process_index`` reads (``i::n``) when there are at least as many
+    files as processes; ``None`` when examples must be split within files instead."""
+    return files[process_index::process_count] if len(files) >= process_count else None
