@@ -35,10 +35,21 @@ class CheckpointError(ValueError):
 class Checkpointer:
     """The checkpoints of one directory (``<model_dir>/checkpoints``)."""
 
-    def __init__(self, directory: str, policy: CheckpointPolicy | None = None, read_only: bool = False):
+    def __init__(
+        self,
+        directory: str,
+        policy: CheckpointPolicy | None = None,
+        read_only: bool = False,
+        best: tuple[str, str] | None = None,
+    ):
+        """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric."""
         self.directory = os.path.abspath(directory)
         self.policy = policy = policy or CheckpointPolicy()
         keep_every = policy.keep_every_hours
+        best_options = {}
+        if best is not None:
+            metric, mode = best
+            best_options = dict(best_fn=lambda m: m[metric], best_mode=mode, keep_checkpoints_without_metrics=False)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -47,6 +58,7 @@ class Checkpointer:
                 enable_async_checkpointing=policy.async_save,
                 cleanup_tmp_directories=not read_only,
                 read_only=read_only,
+                **best_options,
             ),
         )
         self._checksums = jax.jit(checksums)
@@ -69,14 +81,14 @@ class Checkpointer:
         by_time = seconds is not None and time.monotonic() - self._last_save >= seconds
         return by_steps or by_time
 
-    def save(self, step: int, state, input_state=None) -> None:
+    def save(self, step: int, state, input_state=None, metrics: dict | None = None) -> None:
         """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices."""
         if step in self._manager.all_steps():
             return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
         meta = {"step": step, "input_state": input_state, "checksums": sums, "saved_at": time.time()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._manager.save(step, args=args, force=True)
+        self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()
 
     def restore(self, abstract_state, step: int | None = None):

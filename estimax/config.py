@@ -71,6 +71,14 @@ class RunConfig:
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
       checkpoint: when checkpoints are saved and kept (``CheckpointPolicy``).
+      tensorboard: write TensorBoard event files to ``<model_dir>/tensorboard``;
+        ``None`` (default): when tensorboardX is installed.
+      quiet: no progress bar and no train log lines (warnings, evaluations and
+        files still appear).
+      profile_steps: ``(A, B)``: write a ``jax.profiler`` trace of the loops
+        that run steps A to B to ``<model_dir>/profile``.
+      skip_nonfinite: skip updates whose gradients are NaN/Inf on the device and
+        count them (``skipped_update_fraction``) instead of stopping.
       num_devices: use the first N devices (default: all devices of all processes).
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
@@ -86,6 +94,10 @@ class RunConfig:
     seed: int = 0
     log_every_steps: int = 100
     checkpoint: CheckpointPolicy = CheckpointPolicy()
+    tensorboard: bool | None = None
+    quiet: bool = False
+    profile_steps: tuple[int, int] | None = None
+    skip_nonfinite: bool = False
     num_devices: int | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
@@ -100,6 +112,13 @@ class RunConfig:
         for name in ("eval_batch_size", "predict_batch_size", "num_devices"):
             if getattr(self, name) is not None:
                 _check_positive("RunConfig", name, getattr(self, name))
+        if self.profile_steps is not None:
+            start, stop = self.profile_steps
+            if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
+                raise ValueError(
+                    f"RunConfig(profile_steps={self.profile_steps!r}); expected (A, B) with 0 <= A < B, "
+                    "e.g. (100, 110)."
+                )
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         if self.model_dir is not None:

@@ -7,10 +7,13 @@ outputs only after the next one is dispatched, checkpoints and reports.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import optax
@@ -18,13 +21,19 @@ import optax
 from estimax import checkpoint as checkpoint_lib
 from estimax import mesh as mesh_lib
 from estimax import report
-from estimax.config import RunConfig
+from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
-from estimax.loop import EvalRunner, TrainRunner, read_outputs
+from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.loop import EvalRunner, TrainRunner
 from estimax.model import NNXAdapter
-from estimax.preemption import Preempted, PreemptionWatch
+from estimax.profiling import Profiler, profile_dir
+from estimax.progress import ProgressBar
+from estimax.report import MetricLogger
+from estimax.state import leaf_names
 from estimax.step import Core
+from estimax.training import Evaluation, TrainingLoop
 from estimax.warm_start import WarmStart
+from estimax.writers import ConsoleWriter, JsonlWriter, TensorBoardWriter
 
 logger = logging.getLogger("estimax")
 
@@ -59,6 +68,8 @@ class Estimator:
                 "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`."
             )
         self.config = config = config or RunConfig()
+        if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
+            optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
         self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer, self.params, config.seed)
@@ -69,7 +80,8 @@ class Estimator:
             else checkpoint_lib.Checkpointer.of_model_dir(config.model_dir, config.checkpoint)
         )
         self._warm_start = warm_start
-        self._state, self._step, self._seen_latest = None, None, None
+        self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
+        self._param_names = leaf_names(jax.eval_shape(self._core.init_state).params)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -92,7 +104,7 @@ class Estimator:
         if latest is not None and latest != self._seen_latest and (self._state is None or latest > self._step):
             self._seen_latest = latest
             self._state, meta = self._checkpointer.restore(self.state_shapes())
-            self._step = meta["step"]
+            self._step, self._input_state = meta["step"], meta.get("input_state")
         elif self._state is None:
             self._state = jax.jit(self._core.init_state, out_shardings=self._replicated)()
             if self._warm_start is not None:
@@ -125,22 +137,89 @@ class Estimator:
 
     # -- train ---------------------------------------------------------------
     def train(
-        self, input, *, max_steps: int | None = None, steps: int | None = None, epochs: int | None = None
+        self,
+        input,
+        *,
+        max_steps: int | None = None,
+        steps: int | None = None,
+        epochs: int | None = None,
+        hooks: Sequence[Hook] = (),
     ) -> Estimator:
         """Trains until ``max_steps`` (absolute), for ``steps`` more, or until ``epochs`` are done.
 
         ``epochs`` counts from step 0 like ``max_steps`` (a resumed run
         finishes the same number of epochs); it needs an input of known size.
+        ``hooks`` run on the host after every loop (``estimax.hooks.Hook``).
         """
+        self._train(input, (max_steps, steps, epochs), hooks)
+        return self
+
+    def train_and_evaluate(
+        self,
+        train_input,
+        eval_input,
+        *,
+        max_steps: int | None = None,
+        epochs: int | None = None,
+        eval_every_steps: int | None = None,
+        eval_every_epochs: int | None = None,
+        best_metric: str | None = None,
+        mode: str = "max",
+        patience: int | None = None,
+        hooks: Sequence[Hook] = (),
+    ) -> dict[str, float]:
+        """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation.
+
+        Evaluates when a multiple of ``eval_every_steps`` (or of
+        ``eval_every_epochs`` epochs) is crossed and at the end, without
+        rebuilding or recompiling anything. ``best_metric`` keeps the best
+        checkpoint by that metric (``mode`` "max" or "min") in
+        ``<model_dir>/best``; ``patience`` stops when it has not improved for
+        that many evaluations (``best_metric``, or the loss, with ``mode``).
+        """
+        if (eval_every_steps is None) == (eval_every_epochs is None):
+            raise ValueError(
+                "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
+                f"received {eval_every_steps=}, {eval_every_epochs=}."
+            )
+        if mode not in ("max", "min"):
+            raise ValueError(f"train_and_evaluate(mode={mode!r}); expected 'max' or 'min'.")
+        every = eval_every_steps
+        if eval_every_epochs is not None:
+            every = eval_every_epochs * _steps_per_epoch(
+                train_input, self.config.train_batch_size // jax.process_count()
+            )
+        hooks = list(hooks)
+        if patience is not None:
+            hooks.append(EarlyStopping(best_metric or "loss", mode if best_metric else "min", patience))
+        best = None
+        if best_metric is not None and self.config.model_dir is not None:
+            best = checkpoint_lib.Checkpointer(
+                os.path.join(self.config.model_dir, "best"),
+                CheckpointPolicy(every_steps=None, keep=1),
+                best=(best_metric, mode),
+            )
+        evaluation = Evaluation(
+            run=lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop),
+            every_steps=every,
+            best=best,
+            best_metric=best_metric,
+        )
+        loop = self._train(train_input, (max_steps, None, epochs), hooks, evaluation)
+        if best is not None:
+            best.wait()
+        return loop.last_metrics if loop else {}
+
+    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         cfg = self.config
         mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
         host_batch = cfg.train_batch_size // jax.process_count()
         state = self._ensure_state()
         start = self._step
-        target = _target_step(start, max_steps, steps, epochs, input, host_batch)
+        target, per_epoch = _target_step(start, *lengths, input, host_batch)
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
-            return self
+            return None
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices, %d steps per loop",
             start,
@@ -151,40 +230,47 @@ class Estimator:
         )
         if self._train_runner is None:
             self._train_runner = TrainRunner(self._core, self.mesh, cfg.loop, cfg.steps_per_loop)
-        runner = self._train_runner
-        reporter = report.Reporter(cfg.model_dir, cfg.log_every_steps, cfg.train_batch_size)
+        loop = TrainingLoop(
+            self._train_runner,
+            self._checkpointer,
+            self._hooks(hooks),
+            self._param_names,
+            skip_nonfinite=cfg.skip_nonfinite,
+            profiler=Profiler(cfg.profile_steps, profile_dir(cfg.model_dir)),
+        )
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
-        stacks = feed.train_stacks(input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start)
-        step, pending = start, None
-        checkpointer = self._checkpointer
-        with (
-            PreemptionWatch() as preemption,
-            feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks,
-        ):
-            for chunk in chunks:
-                state, outputs = runner.run(state, chunk)
-                chunks.busy = outputs  # input_wait_fraction counts the device's idle time only
-                if pending is not None:
-                    reporter.train(pending[0], pending[1], read_outputs(pending[2]), input_wait=chunks.wait_seconds)
-                pending = (step, step + chunk.num_steps, outputs)
-                step += chunk.num_steps
-                self._state, self._step = state, step
-                if preemption.requested(step):
-                    break
-                if checkpointer and checkpointer.due(pending[0], step):
-                    checkpointer.save(step, state)
-        if pending is not None:
-            reporter.train(pending[0], pending[1], read_outputs(pending[2]), True, input_wait=chunks.wait_seconds)
-        if checkpointer:
-            checkpointer.save(step, state)
-            checkpointer.wait()
-        if preemption.signal_name is not None:
-            preempted = Preempted(step, preemption.signal_name)
-            logger.warning("%s", preempted)
-            raise preempted
-        if step < target:
-            logger.info("Input ran out at step %d (before %d).", step, target)
-        return self
+        stacks = feed.train_stacks(
+            input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start, input_state=self._input_state
+        )
+
+        def publish(state, step, input_state):
+            self._state, self._step, self._input_state = state, step, input_state
+
+        info = RunInfo(start, target, cfg.train_batch_size, per_epoch, cfg.model_dir)
+        with feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks:
+            loop.run(state, info, chunks, publish, evaluation)
+        if self._step < target and not loop.stopped:
+            logger.info("Input ran out at step %d (before %d).", self._step, target)
+        return loop
+
+    def _hooks(self, extra: Sequence[Hook] = ()) -> list[Hook]:
+        """The built-in hooks (metric logging, progress bar) and the user's."""
+        cfg = self.config
+        hooks: list[Hook] = [MetricLogger(self._writers(), cfg.log_every_steps, cfg.train_batch_size)]
+        if not cfg.quiet and jax.process_index() == 0 and sys.stderr.isatty():
+            hooks.append(ProgressBar(cfg.train_batch_size))
+        return hooks + list(extra)
+
+    def _writers(self) -> list:
+        """metrics.jsonl, TensorBoard and console writers; files on process 0 only."""
+        cfg = self.config
+        writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
+        if cfg.model_dir is None or jax.process_index() != 0:
+            return writers
+        writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
+        if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
+            writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
+        return writers
 
     # -- evaluate and predict --------------------------------------------------
     def evaluate(self, input, *, steps: int | None = None, checkpoint: int | str | None = None) -> dict[str, float]:
@@ -194,22 +280,31 @@ class Estimator:
         once. Returns the averages and ``num_examples``. ``checkpoint``: a
         step of model_dir or a checkpoint path; default: the current state.
         """
+        state = self._state_at(checkpoint)
+        results = self._evaluate(input, state, steps=steps)
+        step = int(jax.device_get(state.step))
+        for writer in self._writers():
+            writer.write("eval", step, results)
+            writer.close()
+        return results
+
+    def _evaluate(self, input, state, *, steps: int | None = None, should_stop=None) -> dict[str, float] | None:
+        """The metrics of ``state`` on ``input``; ``None`` if ``should_stop()`` interrupted it."""
         batch_size = self.config.global_eval_batch_size
         mesh_lib.check_batch_size("eval_batch_size", batch_size, self.mesh)
-        state = self._state_at(checkpoint)
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
         with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
-            totals = self._evaluator().totals(state, device_batches)
+            totals = self._evaluator().totals(state, device_batches, should_stop)
         if totals is None:
+            if should_stop is not None and should_stop():
+                return None
             raise ValueError("Evaluation input yielded no batches; expected at least one example.")
         results = {name: mean.compute() for name, mean in totals.items()}
         if "num_examples" in results:
             raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
         results["num_examples"] = float(next(iter(totals.values())).count)
-        step = int(jax.device_get(state.step))
-        report.Reporter(self.config.model_dir, self.config.log_every_steps, batch_size).eval(step, results)
         return results
 
     def predict(self, input, *, checkpoint: int | str | None = None) -> Iterator:
@@ -244,7 +339,8 @@ def _rows(predictions, num_valid: int) -> Iterator:
         yield jax.tree.map(lambda x, i=i: x[i], host)
 
 
-def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
+def _target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int, int | None]:
+    """``(target step, steps per epoch or None)`` of a train call."""
     given = {k: v for k, v in (("max_steps", max_steps), ("steps", steps), ("epochs", epochs)) if v is not None}
     if len(given) != 1:
         raise ValueError(
@@ -254,16 +350,11 @@ def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
     ((name, value),) = given.items()
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"train({name}={value!r}) must be a non-negative integer.")
+    per_epoch = _steps_per_epoch(input, host_batch, required=name == "epochs")
     if name == "max_steps":
-        return value
+        return value, per_epoch
     if name == "steps":
-        return start + value
-    if not hasattr(input, "steps_per_epoch"):
-        raise TypeError(
-            f"train(epochs=...) needs an input of known size, e.g. estimax.data.from_arrays; "
-            f"received {type(input).__name__}. Fix: pass max_steps or steps instead."
-        )
-    per_epoch = input.steps_per_epoch(host_batch, jax.process_count())
+        return start + value, per_epoch
     dropped = len(input) - per_epoch * host_batch * jax.process_count()
     logger.info(
         "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
@@ -271,7 +362,18 @@ def _target_step(start, max_steps, steps, epochs, input, host_batch) -> int:
         host_batch * jax.process_count(),
         dropped,
     )
-    return value * per_epoch
+    return value * per_epoch, per_epoch
+
+
+def _steps_per_epoch(input, host_batch: int, required: bool = True) -> int | None:
+    if not hasattr(input, "steps_per_epoch"):
+        if not required:
+            return None
+        raise TypeError(
+            f"Counting in epochs needs an input of known size, e.g. estimax.data.from_arrays; "
+            f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every_steps)."
+        )
+    return input.steps_per_epoch(host_batch, jax.process_count())
 
 
 def _devices(num_devices: int | None) -> list:

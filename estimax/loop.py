@@ -64,6 +64,10 @@ class TrainRunner:
             out_shardings=stack,
         )
 
+    def cache_size(self) -> int:
+        """How many programs have been compiled so far (to attribute compile time)."""
+        return self.scan._cache_size() + self.step._cache_size()
+
     def run(self, state, chunk: DeviceChunk):
         if self.mode == "scan":
             state, outputs = self.scan(state, chunk.stack)
@@ -166,10 +170,15 @@ class EvalRunner:
     def value_shapes(self, state, batch) -> dict:
         return jax.eval_shape(self._core.eval_values, state, batch)
 
-    def totals(self, state, device_batches) -> dict[str, metrics_lib.Mean] | None:
-        """Sums over an iterator of ``DeviceBatch``; raises on scalar values in a padded batch."""
+    def totals(self, state, device_batches, should_stop=None) -> dict[str, metrics_lib.Mean] | None:
+        """Sums over an iterator of ``DeviceBatch``; raises on scalar values in a padded batch.
+
+        Returns ``None`` if there was no batch, or when ``should_stop()`` said so.
+        """
         totals, pending, scalars = None, [], []
         for db in device_batches:
+            if should_stop is not None and should_stop():
+                return None
             if totals is None:
                 shapes = self.value_shapes(state, db.batch)
                 scalars = sorted(k for k, v in shapes.items() if v.ndim == 0)

@@ -1,92 +1,82 @@
-"""What a run tells its user: train log lines, eval results and ``metrics.jsonl``.
+"""What a run tells its user: train metrics averaged between log points,
+evaluations and the end-of-run summary, sent to the writers.
 
-Owns aggregating per-step outputs between log points, the console line, and
-appending one JSON object per train log and per evaluation to
-``<model_dir>/metrics.jsonl``. Receives host values only; never touches devices.
+``MetricLogger`` is a hook: it receives loop records (host values) and
+decides what to write and when; the writers (``writers.py``) own where.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import time
 
 import numpy as np
+
+from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
+from estimax.writers import Writer
 
 logger = logging.getLogger("estimax")
 
 
-class Reporter:
-    def __init__(self, model_dir: str | None, log_every_steps: int, global_batch_size: int):
-        self.path = None if model_dir is None else os.path.join(model_dir, "metrics.jsonl")
+class MetricLogger(Hook):
+    """Averages per-step scalar outputs (loss, metrics, ``grad_norm``, ``learning_rate``)
+    over the steps since the last line, adds throughput and the input-wait
+    fraction, and writes a ``train`` record when a multiple of
+    ``log_every_steps`` is crossed (and at the end); writes every evaluation
+    under its split and the summary under ``summary``.
+
+    Throughput is timed between loops: the first one (compilation) and the
+    last one are not timed, so a line that covers only those has none.
+    """
+
+    def __init__(self, writers: list[Writer], log_every_steps: int, global_batch_size: int):
+        self.writers = writers
         self.log_every_steps = log_every_steps
         self.global_batch_size = global_batch_size
+        self._reset()
+
+    def _reset(self) -> None:
         self._sums: dict[str, float] = {}
-        self._steps = 0  # steps since the last line, for the averages
-        # Throughput is timed between reads of a loop's outputs, each made once the next
-        # loop is dispatched. The first read (compilation) and the last one (nothing
-        # dispatched after it, so it comes earlier in the loop's life) are not timed.
-        self._timed_steps = 0
-        self._since = self._until = None
-        # input_wait_fraction: seconds the loop waited for input over the wall time of each line.
-        self._wall_mark, self._wait_mark = time.perf_counter(), 0.0
+        self._counts: dict[str, int] = {}
+        self._steps = self._timed_steps = 0
+        self._timed_seconds = self._wall = self._wait = 0.0
 
-    def train(
-        self,
-        step_before: int,
-        step_after: int,
-        outputs: dict[str, np.ndarray],
-        final: bool = False,
-        input_wait: float | None = None,
-    ):
-        """Adds a loop's per-step outputs (read when the loop is done); logs when a multiple
-        of ``log_every_steps`` was crossed, or at the end with ``final``. ``input_wait`` is
-        the total time the loop has waited for input so far."""
-        now = time.perf_counter()
-        for name, values in outputs.items():
-            self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values, dtype=np.float64))
-        self._steps += step_after - step_before
-        if self._since is None:
-            self._since = now
-        elif not final:
-            self._timed_steps, self._until = self._timed_steps + step_after - step_before, now
-        crossed = step_after // self.log_every_steps > step_before // self.log_every_steps
-        if not (crossed or final) or self._steps == 0:
+    def begin(self, run: RunInfo) -> None:
+        self._reset()
+
+    def after_loop(self, loop: LoopRecord) -> None:
+        for name, values in loop.outputs.items():
+            if np.ndim(values) == 1:  # per-step scalars; per-parameter flags are not logged
+                finite = np.isfinite(values)
+                self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values[finite], dtype=np.float64))
+                self._counts[name] = self._counts.get(name, 0) + int(finite.sum())
+        self._steps += loop.num_steps
+        if loop.seconds is not None:
+            self._timed_steps += loop.num_steps
+            self._timed_seconds += loop.seconds
+            self._wall += loop.seconds
+            self._wait += loop.input_wait_seconds
+        if not (loop.crossed(self.log_every_steps) or loop.final) or self._steps == 0:
             return
-        record = {name: total / self._steps for name, total in self._sums.items()}
+        values = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
         if self._timed_steps:
-            steps_per_sec = self._timed_steps / max(self._until - self._since, 1e-9)
-            record.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
-        if input_wait is not None:
-            record["input_wait_fraction"] = (input_wait - self._wait_mark) / max(now - self._wall_mark, 1e-9)
-            self._wall_mark, self._wait_mark = now, input_wait
-        logger.info("step %d  %s", step_after, _format(record))
-        self._write({"split": "train", "step": step_after, **record})
-        self._sums, self._steps, self._timed_steps, self._since = {}, 0, 0, self._until
+            steps_per_sec = self._timed_steps / max(self._timed_seconds, 1e-9)
+            values.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
+            values["input_wait_fraction"] = min(self._wait / max(self._wall, 1e-9), 1.0)
+        self._write("train", loop.step_after, values)
+        self._reset()
 
-    def eval(self, step: int, results: dict[str, float], split: str = "eval") -> None:
-        logger.info("%s at step %d  %s", split, step, _format(results))
-        self._write({"split": split, "step": step, **results})
+    def after_eval(self, evaluation: EvalRecord) -> None:
+        self._write(evaluation.split, evaluation.step, dict(evaluation.metrics))
 
-    def _write(self, record: dict) -> None:
-        if self.path is None:
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+    def end(self, summary: Summary) -> None:
+        values = {f"{name}_seconds": seconds for name, seconds in summary.seconds.items()}
+        self._write("summary", summary.step, {**values, **summary.metrics})
+        for writer in self.writers:
+            writer.close()
 
-
-def _format(record: dict) -> str:
-    parts = []
-    for name, value in record.items():
-        if name == "num_examples":
-            parts.append(f"{name} {int(value)}")
-        elif name.endswith("_per_sec"):
-            parts.append(f"{name.replace('_per_sec', '/s')} {value:.1f}")
-        else:
-            parts.append(f"{name} {value:.4f}")
-    return "  ".join(parts)
+    def _write(self, split: str, step: int, values: dict) -> None:
+        for writer in self.writers:
+            writer.write(split, step, values)
 
 
 def ensure_console() -> None:

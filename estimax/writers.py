@@ -67,10 +67,17 @@ class TensorBoardWriter:
 
 
 class ConsoleWriter:
-    """One log line per write: ``train step 200  loss 0.0156  steps/s 30.1 ...``."""
+    """One log line per write: ``train step 200  loss 0.0156  steps/s 30.1 ...``.
+
+    ``train_lines=False`` leaves train lines out (a progress bar shows them, or quiet).
+    """
+
+    def __init__(self, train_lines: bool = True):
+        self.train_lines = train_lines
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
-        logger.info("%s step %d  %s", split, step, format_values(values))
+        if split != "train" or self.train_lines:
+            logger.info("%s step %d  %s", split, step, format_values(values))
 
     def close(self) -> None:
         pass

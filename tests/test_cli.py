@@ -32,4 +32,4 @@ def test_train_then_evaluate_and_predict_in_new_processes(tmp_path):
     assert "360 predictions" in _estimax("predict", "--model-dir", model_dir, "--output", str(output))
     assert len(output.read_text().splitlines()) == 360
     records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
-    assert {r["split"] for r in records} == {"train", "eval"}
+    assert {r["split"] for r in records} == {"train", "eval", "summary"}

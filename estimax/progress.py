@@ -1,0 +1,52 @@
+"""A live progress bar for terminals (tqdm), updated once per loop.
+
+Shows step / total, the epoch when an epoch's length is known, a smoothed
+loss, steps/s, examples/s, the input-wait fraction and tqdm's ETA. Used only
+when stderr is a terminal; elsewhere (CI, files) the console writer's plain
+lines say the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
+
+
+class ProgressBar(Hook):
+    def __init__(self, global_batch_size: int, smoothing: float = 0.9):
+        self.global_batch_size = global_batch_size
+        self.smoothing = smoothing
+        self._bar = None
+
+    def begin(self, run: RunInfo) -> None:
+        from tqdm.auto import tqdm
+
+        self._run, self._loss = run, None
+        self._bar = tqdm(total=run.target_step, initial=run.start_step, unit="step", dynamic_ncols=True, desc="train")
+
+    def after_loop(self, loop: LoopRecord) -> None:
+        if self._bar is None:
+            return
+        losses = [x for x in loop.outputs.get("loss", ()) if math.isfinite(x)]
+        for loss in losses:
+            self._loss = loss if self._loss is None else self.smoothing * self._loss + (1 - self.smoothing) * loss
+        postfix = {}
+        if self._run.steps_per_epoch:
+            postfix["epoch"] = f"{loop.step_after / self._run.steps_per_epoch:.2f}"
+        if self._loss is not None:
+            postfix["loss"] = f"{self._loss:.4g}"
+        if loop.seconds:
+            steps_per_sec = loop.num_steps / loop.seconds
+            postfix.update(
+                steps_s=f"{steps_per_sec:.1f}",
+                ex_s=f"{steps_per_sec * self.global_batch_size:.0f}",
+                input_wait=f"{loop.input_wait_seconds / loop.seconds:.0%}",
+            )
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(loop.num_steps)
+
+    def end(self, summary: Summary) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

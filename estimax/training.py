@@ -1,0 +1,218 @@
+"""The host loop of training: what happens between and around device loops.
+
+Owns the order of events at a loop boundary: dispatch the next loop, read
+the previous loop's outputs (never the one just dispatched, so the device is
+not left idle), check them for NaN/Inf, hand records to the hooks, evaluate
+when due, checkpoint when due, stop on preemption, early stopping or a
+non-finite value, and account where the time went. The device loops
+themselves are ``loop.py``'s; the Estimator sets everything up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
+from estimax.loop import read_outputs
+from estimax.preemption import Preempted, PreemptionWatch
+from estimax.profiling import Profiler
+
+logger = logging.getLogger("estimax")
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or Inf in the loss or the gradients stopped training."""
+
+
+@dataclasses.dataclass
+class Evaluation:
+    """Evaluations during training: when a multiple of ``every_steps`` is crossed, and at the end.
+
+    ``run(state, should_stop)`` returns the metrics, or ``None`` when
+    ``should_stop()`` interrupted it. ``best`` keeps the best checkpoint by
+    ``best_metric``.
+    """
+
+    run: Callable
+    every_steps: int | None
+    best: object | None = None
+    best_metric: str | None = None
+
+
+class _Loop:
+    """A dispatched loop whose outputs are read later (once)."""
+
+    def __init__(self, step_before: int, step_after: int, outputs, input_state):
+        self.step_before, self.step_after, self.input_state = step_before, step_after, input_state
+        self._outputs, self._host = outputs, None
+
+    def host(self) -> dict[str, np.ndarray]:
+        if self._host is None:
+            self._host = read_outputs(self._outputs)  # host sync: waits for this loop
+        return self._host
+
+
+class TrainingLoop:
+    """One ``train`` / ``train_and_evaluate`` call's host loop."""
+
+    def __init__(
+        self,
+        runner,
+        checkpointer,
+        hooks: Sequence[Hook],
+        param_names: list[str],
+        *,
+        skip_nonfinite: bool,
+        profiler: Profiler,
+    ):
+        self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
+        self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
+        self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
+        self.last_metrics: dict[str, float] = {}
+        self.stopped = False  # by a hook (early stopping)
+
+    def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
+        """Trains from ``info.start_step`` over ``chunks``; returns ``(state, step)``.
+
+        ``publish(state, step, input_state)`` is called after every dispatch, so that the
+        caller always holds the newest state (also when an error stops training).
+        """
+        began, step, previous, stop = time.perf_counter(), info.start_step, None, False
+        self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
+        for hook in self.hooks:
+            hook.begin(info)
+        with PreemptionWatch() as preemption:
+            for chunk in chunks:
+                self.profiler.before_loop(step, state)
+                compiled = self.runner.cache_size()
+                dispatched = time.perf_counter()
+                with self.profiler.annotate(step):
+                    state, outputs = self.runner.run(state, chunk)
+                if self.runner.cache_size() != compiled:
+                    self.seconds["compile"] += time.perf_counter() - dispatched
+                chunks.busy = outputs  # input_wait counts the device's idle time only
+                current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
+                step = current.step_after
+                publish(state, step, current.input_state)
+                if previous is not None:
+                    stop |= self._after_loop(previous, chunks)
+                previous = current
+                self.profiler.after_loop(step, state)
+                if preemption.requested(step):
+                    break
+                if evaluation is not None and (
+                    evaluation.every_steps
+                    and step // evaluation.every_steps > current.step_before // evaluation.every_steps
+                ):
+                    stop |= self._evaluate(evaluation, state, current, preemption)
+                if self.checkpointer and self.checkpointer.due(current.step_before, step):
+                    self._save(state, current)
+                if stop:
+                    self.stopped = True
+                    break
+        if previous is not None:
+            self._after_loop(previous, chunks, final=True)
+        if preemption.signal_name is None and evaluation is not None and not stop:
+            self._evaluate(evaluation, state, previous, preemption, final=True)
+        self.profiler.stop(state)
+        if self.checkpointer and previous is not None:
+            self._save(state, previous)
+            timer = time.perf_counter()
+            self.checkpointer.wait()
+            self.seconds["checkpoint"] += time.perf_counter() - timer
+        self.seconds["input_wait"] = chunks.wait_seconds
+        self._end(step, time.perf_counter() - began)
+        if preemption.signal_name is not None:
+            preempted = Preempted(step, preemption.signal_name)
+            logger.warning("%s", preempted)
+            raise preempted
+        return state, step
+
+    # -- at a loop boundary ----------------------------------------------------
+    def _after_loop(self, loop: _Loop, chunks, final: bool = False) -> bool:
+        outputs = self._checked(loop)
+        now = time.perf_counter()
+        # Reads come once the next loop is dispatched; the first (compilation) and the
+        # final one (nothing dispatched after it) are not comparable, so not timed.
+        seconds = None if (self._last_read is None or final) else now - self._last_read - self._paused
+        wait, self._wait_mark = chunks.wait_seconds - self._wait_mark, chunks.wait_seconds
+        record = LoopRecord(loop.step_before, loop.step_after, outputs, seconds, wait if seconds else 0.0, final)
+        self._last_read, self._paused = now, 0.0
+        return any([bool(hook.after_loop(record)) for hook in self.hooks])
+
+    def _checked(self, loop: _Loop) -> dict[str, np.ndarray]:
+        """The loop's outputs; raises ``NonFiniteError`` on a NaN/Inf (unless skipping them)."""
+        outputs = loop.host()
+        finite = outputs.get("finite_grads")
+        bad = ~np.isfinite(outputs["loss"])
+        if finite is not None:
+            bad |= ~finite.all(axis=1)
+        if self.skip_nonfinite:
+            return {**outputs, "skipped_update_fraction": bad.astype(np.float64)}
+        if bad.any():
+            i = int(np.argmax(bad))
+            names = (
+                [n for n, ok in zip(self.param_names, finite[i], strict=True) if not ok] if finite is not None else []
+            )
+            last = self.checkpointer.latest_step() if self.checkpointer else None
+            raise NonFiniteError(
+                f"Non-finite values at step {loop.step_before + i + 1} (in the loop of steps "
+                f"{loop.step_before + 1}-{loop.step_after}): loss {outputs['loss'][i]}; non-finite gradients "
+                f"of {names or 'no parameter'}. "
+                + (f"The last checkpoint (step {last}) is kept. " if last is not None else "")
+                + "Fix: lower the learning rate, check the input for NaN/Inf, or RunConfig(skip_nonfinite=True) "
+                "to skip such updates on the device and count them."
+            )
+        return outputs
+
+    def _save(self, state, loop: _Loop) -> None:
+        self._checked(loop)  # never save a state that came out of a NaN
+        timer = time.perf_counter()
+        self.checkpointer.save(loop.step_after, state, loop.input_state)
+        elapsed = time.perf_counter() - timer
+        self.seconds["checkpoint"] += elapsed
+        self._paused += elapsed
+
+    def _evaluate(
+        self, evaluation: Evaluation, state, loop: _Loop, preemption: PreemptionWatch, final: bool = False
+    ) -> bool:
+        if loop is None:
+            return False
+        self._checked(loop)
+        timer = time.perf_counter()
+        metrics = evaluation.run(state, lambda: preemption.signal_name is not None)
+        elapsed = time.perf_counter() - timer
+        self.seconds["evaluation"] += elapsed
+        self._paused += elapsed
+        if metrics is None:  # interrupted by a signal: the loop saves and exits
+            return True
+        self.last_metrics = metrics
+        record = EvalRecord(loop.step_after, "eval", metrics, elapsed)
+        stop = any([bool(hook.after_eval(record)) for hook in self.hooks])
+        if evaluation.best is not None:
+            if evaluation.best_metric not in metrics:
+                raise ValueError(
+                    f"best_metric={evaluation.best_metric!r} is not among the evaluation's metrics "
+                    f"{sorted(metrics)}; expected one of them."
+                )
+            evaluation.best.save(loop.step_after, state, loop.input_state, metrics=metrics)
+        return stop and not final
+
+    def _end(self, step: int, wall: float) -> None:
+        seconds = dict(self.seconds)
+        seconds["device"] = max(wall - sum(seconds.values()), 0.0)
+        seconds["total"] = wall
+        summary = Summary(step, seconds, self.last_metrics)
+        logger.info(
+            "Done at step %d in %.1f s: %s",
+            step,
+            wall,
+            ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items() if k != "total"),
+        )
+        for hook in self.hooks:
+            hook.end(summary)
