@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from estimax.precision import check_compute_dtype
+
 LOOP_MODES = ("auto", "scan", "step")
 
 
@@ -34,6 +36,9 @@ class RunConfig:
         loop boundaries) and at the end of training; ``None``: only at the end.
       keep_checkpoints: how many recent checkpoints are kept.
       num_devices: use the first N devices (default: all devices of all processes).
+      compute_dtype: ``"bfloat16"`` (or ``"float16"``) runs the model in that dtype
+        while parameters and optimizer state stay float32 (see ``precision.py``);
+        ``None``: compute in the parameters' dtype.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -47,6 +52,7 @@ class RunConfig:
     save_every_steps: int | None = 1000
     keep_checkpoints: int = 3
     num_devices: int | None = None
+    compute_dtype: str | None = None
 
     def __post_init__(self):
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "keep_checkpoints"):
@@ -56,6 +62,7 @@ class RunConfig:
                 _check_positive(name, getattr(self, name))
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
+        check_compute_dtype(self.compute_dtype)
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

@@ -21,7 +21,7 @@ from estimax.checkpoint import Checkpointer, abstract_like
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.loop import EvalRunner, TrainRunner, read_outputs
-from estimax.model import NNXAdapter
+from estimax.models import resolve as resolve_model
 from estimax.step import Core
 
 logger = logging.getLogger("estimax")
@@ -31,7 +31,8 @@ class Estimator:
     """One model definition, trained, evaluated and predicted on all devices.
 
     Args:
-      model: factory ``(rngs, params) -> nnx.Module``.
+      model: an NNX factory ``(rngs, params) -> nnx.Module``, or a model
+        wrapped by ``estimax.models`` (``linen``, ``keras``, ``functional``).
       model_fn: ``model_fn(model, features, labels, mode, params) -> Spec``.
       optimizer: an optax ``GradientTransformation``.
       config: a ``RunConfig``; defaults to ``RunConfig()``.
@@ -56,7 +57,8 @@ class Estimator:
         self.config = config = config or RunConfig()
         self.params = dict(params or {})
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
-        self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer, self.params, config.seed)
+        adapter = resolve_model(model, self.params, config.seed)
+        self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
         self._replicated = mesh_lib.replicated(self.mesh)
         self._checkpointer = (
             None
@@ -87,7 +89,8 @@ class Estimator:
         return self._state
 
     def model(self):
-        """The current model as a live NNX module in eval behaviour, for interactive use."""
+        """The current model in its framework's form (an NNX or bound Linen module, the Keras
+        model, a bound function), in eval behaviour, for interactive use."""
         state = self._ensure_state()
         return self._core.adapter.live(state.params, state.model_state)
 
