@@ -1,17 +1,21 @@
-"""The ``estimax`` command: train, evaluate and predict the bundled example.
+"""The ``estimax`` command: train, evaluate and predict a bundled example.
 
 ``estimax train`` with no arguments trains the digits CNN on all local devices
-and ends with an evaluation of the held-out split.
+and ends with an evaluation of the held-out split; ``--example lstm`` and
+``--example time_distributed`` run the two 2018 device-loop programs.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
 
+EXAMPLES = ("digits", "lstm", "time_distributed")
+DEFAULT_EXAMPLE = "digits"
 DEFAULT_MODEL_DIR = os.path.join("runs", "digits")
 
 
@@ -25,19 +29,23 @@ def _parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument(
-            "--model-dir",
-            default=DEFAULT_MODEL_DIR,
-            help=f"checkpoints and metrics.jsonl (default: {DEFAULT_MODEL_DIR})",
+            "--example", choices=EXAMPLES, default=DEFAULT_EXAMPLE, help="the bundled example (default: digits)"
         )
-        sub.add_argument("--batch-size", type=int, default=128, help="global batch size (default: 128)")
+        sub.add_argument(
+            "--model-dir",
+            help=f"checkpoints and metrics.jsonl (default: {DEFAULT_MODEL_DIR}, runs/<example> for the others)",
+        )
+        sub.add_argument(
+            "--batch-size", type=int, help="global batch size (default: 128; 1024 for lstm and time_distributed)"
+        )
         sub.add_argument("--seed", type=int, default=0, help="initialisation, dropout and shuffling seed")
         if name == "train":
-            sub.add_argument("--max-steps", type=int, default=400, help="train until this step (default: 400)")
+            sub.add_argument("--max-steps", type=int, help="train until this step (default: 400; 10 for lstm, ...)")
             sub.add_argument(
-                "--steps-per-loop", type=int, default=50, help="training steps per host round trip (default: 50)"
+                "--steps-per-loop", type=int, help="training steps per host round trip (default: 50; 2 for lstm, ...)"
             )
             sub.add_argument(
-                "--loop", choices=("auto", "scan", "step"), default="auto", help="device loop mode (default: auto)"
+                "--loop", choices=("auto", "scan", "step"), help="device loop mode (default: auto; scan for lstm, ...)"
             )
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: stdout summary)")
@@ -47,41 +55,44 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import estimax as ex
-    from estimax.examples import digits
 
+    example = importlib.import_module(f"estimax.examples.{args.example}")
+    defaults = example.DEFAULTS
+    model_dir = args.model_dir or os.path.join("runs", args.example)
     config = ex.RunConfig(
-        model_dir=args.model_dir,
-        train_batch_size=args.batch_size,
+        model_dir=model_dir,
+        train_batch_size=args.batch_size or defaults["batch_size"],
         seed=args.seed,
-        steps_per_loop=getattr(args, "steps_per_loop", 50),
-        loop=getattr(args, "loop", "auto"),
+        steps_per_loop=getattr(args, "steps_per_loop", None) or defaults["steps_per_loop"],
+        loop=getattr(args, "loop", None) or defaults["loop"],
     )
-    estimator = digits.estimator(config)
-    train, held_out = digits.load()
+    estimator = example.estimator(config)
+    train, held_out = example.load()
     if args.command == "train":
         start = time.perf_counter()
-        estimator.train(train, max_steps=args.max_steps)
+        estimator.train(train, max_steps=args.max_steps if args.max_steps is not None else defaults["max_steps"])
         results = estimator.evaluate(held_out)
+        name = "accuracy" if "accuracy" in results else "loss"
         print(
-            f"held-out accuracy {results['accuracy']:.4f} on {int(results['num_examples'])} examples "
+            f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
             f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
         )
     elif args.command == "evaluate":
         if estimator.step == 0:
-            print(f"No checkpoint in {args.model_dir}: run `estimax train` first.", file=sys.stderr)
+            print(f"No checkpoint in {model_dir}: run `estimax train` first.", file=sys.stderr)
             return 2
         results = estimator.evaluate(held_out)
         print(json.dumps(results))
     else:
-        predictions = [row["class"].item() for row in estimator.predict(held_out)]
-        correct = sum(p == y for p, y in zip(predictions, held_out.labels, strict=True))
+        records = [example.prediction_record(row) for row in estimator.predict(held_out)]
+        summary = f"{len(records)} predictions"
+        if records and "class" in records[0]:
+            correct = sum(r["class"] == y for r, y in zip(records, held_out.labels, strict=True))
+            summary += f", {correct} match the labels"
         if args.output:
             with open(args.output, "w") as f:
-                f.writelines(json.dumps({"index": i, "class": p}) + "\n" for i, p in enumerate(predictions))
-        print(
-            f"{len(predictions)} predictions, {correct} match the labels"
-            + (f"; written to {args.output}" if args.output else "")
-        )
+                f.writelines(json.dumps({"index": i, **r}) + "\n" for i, r in enumerate(records))
+        print(summary + (f"; written to {args.output}" if args.output else ""))
     return 0
 
 
