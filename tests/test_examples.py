@@ -4,7 +4,6 @@ import json
 
 import jax
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -62,20 +61,20 @@ def test_mnist_model_trains_one_step_with_the_decaying_schedule():
     assert float(schedule(0)) == pytest.approx(0.05)
     assert float(schedule(99_999)) == pytest.approx(0.05)
     assert float(schedule(100_000)) == pytest.approx(0.05 * 0.96)
-    assert isinstance(mnist.build_model(nnx.Rngs(0), {}), digits.CNN)
+    # The optimizer's first update is plain SGD at 0.05.
+    grads = {"w": jax.numpy.arange(4.0)}
+    optimizer = mnist.optimizer()
+    updates, _ = optimizer.update(grads, optimizer.init(grads), grads)
+    np.testing.assert_allclose(updates["w"], -0.05 * np.arange(4.0), rtol=1e-6)
 
+    assert isinstance(nnx.eval_shape(lambda: mnist.build_model(nnx.Rngs(0), {})), digits.CNN)
     rng = np.random.default_rng(0)
     data = ex.data.from_arrays(
         {"image": rng.random((16, 28, 28), dtype=np.float32)}, rng.integers(0, 10, 16).astype(np.int32)
     )
-    config = ex.RunConfig(train_batch_size=8, steps_per_loop=1, loop="step")
-    est = mnist.estimator(config)
+    est = mnist.estimator(ex.RunConfig(train_batch_size=8, steps_per_loop=1, loop="step"))
     initial = _params(est)
     est.train(data, max_steps=1)
-    # At step 0 the schedule is 0.05: the same step as plain SGD 0.05.
-    reference = ex.Estimator(
-        model=mnist.build_model, model_fn=mnist.model_fn, optimizer=optax.sgd(0.05), config=config
-    ).train(data, max_steps=1)
-    for trained, expected in zip(_params(est), _params(reference), strict=True):
-        np.testing.assert_allclose(trained, expected, rtol=1e-6, atol=1e-7)
+    assert est.step == 1
     assert all(np.max(np.abs(t - s)) > 0 for t, s in zip(_params(est), initial, strict=True))
+    assert all(np.all(np.isfinite(t)) for t in _params(est))
