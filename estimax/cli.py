@@ -57,20 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     import estimax as ex
 
     example = importlib.import_module(f"estimax.examples.{args.example}")
-    defaults = example.DEFAULTS
+
+    def given_or_default(name: str, default_key: str):  # an explicit 0 still reaches RunConfig's check
+        value = getattr(args, name, None)
+        return example.DEFAULTS[default_key] if value is None else value
+
     model_dir = args.model_dir or os.path.join("runs", args.example)
     config = ex.RunConfig(
         model_dir=model_dir,
-        train_batch_size=args.batch_size or defaults["batch_size"],
+        train_batch_size=given_or_default("batch_size", "batch_size"),
         seed=args.seed,
-        steps_per_loop=getattr(args, "steps_per_loop", None) or defaults["steps_per_loop"],
-        loop=getattr(args, "loop", None) or defaults["loop"],
+        steps_per_loop=given_or_default("steps_per_loop", "steps_per_loop"),
+        loop=given_or_default("loop", "loop"),
     )
     estimator = example.estimator(config)
     train, held_out = example.load()
     if args.command == "train":
         start = time.perf_counter()
-        estimator.train(train, max_steps=args.max_steps if args.max_steps is not None else defaults["max_steps"])
+        estimator.train(train, max_steps=given_or_default("max_steps", "max_steps"))
         results = estimator.evaluate(held_out)
         name = "accuracy" if "accuracy" in results else "loss"
         print(
