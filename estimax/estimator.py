@@ -92,7 +92,9 @@ class Estimator:
         """The current model in its framework's form (an NNX or bound Linen module, the Keras
         model, a bound function), in eval behaviour, for interactive use."""
         state = self._ensure_state()
-        return self._core.adapter.live(state.params, state.model_state)
+        # Copies: the next train() donates the state's buffers, which would delete the model's arrays.
+        params, model_state = jax.tree.map(jax.numpy.copy, (state.params, state.model_state))
+        return self._core.adapter.live(params, model_state)
 
     # -- train ---------------------------------------------------------------
     def train(

@@ -221,3 +221,31 @@ def test_keras_on_another_backend_is_refused(monkeypatch):
     monkeypatch.setattr(keras.backend, "backend", lambda: "tensorflow")
     with pytest.raises(ValueError, match=r"on the 'tensorflow' backend; expected the 'jax' backend.*KERAS_BACKEND=jax"):
         ex.models.keras(_keras_net())
+
+
+@pytest.mark.parametrize("kind", ["linen", "keras"])
+def test_adapter_state_checkpoints_and_restores_in_a_new_estimator(kind, model_dir):
+    def make():
+        if kind == "linen":
+            return ex.models.linen(LinenNet(batch_norm=True), jnp.zeros((1, 6))), lambda m, x, mode: m(
+                x, mode == ex.TRAIN
+            )
+        return ex.models.keras(_keras_net(batch_norm=True)), lambda m, x, mode: m(x)
+
+    config = ex.RunConfig(model_dir=model_dir, train_batch_size=32, steps_per_loop=4, loop="scan")
+    model, call = make()
+    first = ex.Estimator(model=model, model_fn=_model_fn(call), optimizer=optax.adam(0.1), config=config)
+    first.train(DATA, max_steps=8)
+    model, call = make()
+    second = ex.Estimator(model=model, model_fn=_model_fn(call), optimizer=optax.adam(0.1), config=config)
+    assert second.step == 8 and second.evaluate(DATA) == first.evaluate(DATA)
+    assert second.train(DATA, max_steps=12).step == 12
+
+
+def test_the_interactive_model_survives_further_training():
+    est = ex.Estimator(model=_nnx_factory(), model_fn=_model_fn(lambda m, x, mode: m(x)), optimizer=optax.sgd(0.1))
+    est.train(DATA, max_steps=2)
+    model = est.model()
+    expected = np.asarray(model(jnp.ones((2, 6))))
+    est.train(DATA, max_steps=4)  # donates the state's buffers
+    np.testing.assert_array_equal(model(jnp.ones((2, 6))), expected)
