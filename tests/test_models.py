@@ -198,6 +198,13 @@ def test_models_passed_without_their_adapter_are_refused_with_the_fix():
         ex.Estimator(model=LinenNet(), model_fn=fn, optimizer=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"received a Keras model \(Sequential\).*ex.models.keras\(keras_model\)"):
         ex.Estimator(model=_keras_net(), model_fn=fn, optimizer=optax.sgd(0.1))
+
+    class Subclassed(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"received a Keras model \(Subclassed\)"):
+        ex.Estimator(model=Subclassed(), model_fn=fn, optimizer=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"Flax NNX module instance.*a factory, not an instance"):
         ex.Estimator(model=NNXNet(nnx.Rngs(0)), model_fn=fn, optimizer=optax.sgd(0.1))
     with pytest.raises(TypeError, match=r"signature \(params, features, rng\); expected an NNX factory.*functional"):

@@ -88,8 +88,8 @@ def _reject_bare(model: Any) -> None:
 
 
 def _framework_of(model: Any) -> str | None:
-    module = type(model).__module__ or ""
-    if module.startswith("keras") or module.startswith("tf_keras"):
+    # By the classes' modules, so that Keras is never imported here (and subclasses are caught).
+    if any((cls.__module__ or "").startswith(("keras", "tf_keras")) for cls in type(model).__mro__):
         return "Keras model"
     from flax import linen, nnx
 
