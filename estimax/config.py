@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from estimax.precision import check_compute_dtype
+
 LOOP_MODES = ("auto", "scan", "step")
 _UNSET = object()
 
@@ -80,6 +82,9 @@ class RunConfig:
       skip_nonfinite: skip updates whose gradients are NaN/Inf on the device and
         count them (``skipped_update_fraction``) instead of stopping.
       num_devices: use the first N devices (default: all devices of all processes).
+      compute_dtype: ``"bfloat16"`` (or ``"float16"``) runs the model in that dtype
+        while parameters and optimizer state stay float32 (see ``precision.py``);
+        ``None``: compute in the parameters' dtype.
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
@@ -99,6 +104,7 @@ class RunConfig:
     profile_steps: tuple[int, int] | None = None
     skip_nonfinite: bool = False
     num_devices: int | None = None
+    compute_dtype: str | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -121,6 +127,7 @@ class RunConfig:
                 )
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
+        check_compute_dtype(self.compute_dtype)
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

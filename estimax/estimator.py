@@ -25,7 +25,7 @@ from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import EvalRunner, TrainRunner
-from estimax.model import NNXAdapter
+from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler, profile_dir
 from estimax.progress import ProgressBar
 from estimax.report import MetricLogger
@@ -42,7 +42,8 @@ class Estimator:
     """One model definition, trained, evaluated and predicted on all devices.
 
     Args:
-      model: factory ``(rngs, params) -> nnx.Module``.
+      model: an NNX factory ``(rngs, params) -> nnx.Module``, or a model
+        wrapped by ``estimax.models`` (``linen``, ``keras``, ``functional``).
       model_fn: ``model_fn(model, features, labels, mode, params) -> Spec``.
       optimizer: an optax ``GradientTransformation``.
       config: a ``RunConfig``; defaults to ``RunConfig()``.
@@ -72,7 +73,8 @@ class Estimator:
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
-        self._core = Core(NNXAdapter(model, self.params, config.seed), model_fn, optimizer, self.params, config.seed)
+        adapter = resolve_model(model, self.params, config.seed)
+        self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
         self._replicated = mesh_lib.replicated(self.mesh)
         self._checkpointer = (
             None
@@ -128,12 +130,15 @@ class Estimator:
         return checkpointer.restore(self.state_shapes(), step)[0]
 
     def model(self, checkpoint: int | str | None = None):
-        """The model as a live NNX module in eval behaviour, for interactive use.
+        """The model in its framework's form (an NNX or bound Linen module, the Keras model,
+        a bound function), in eval behaviour, for interactive use.
 
         ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
         """
         state = self._state_at(checkpoint)
-        return self._core.adapter.live(state.params, state.model_state)
+        # Copies: the next train() donates the state's buffers, which would delete the model's arrays.
+        params, model_state = jax.tree.map(jax.numpy.copy, (state.params, state.model_state))
+        return self._core.adapter.live(params, model_state)
 
     # -- train ---------------------------------------------------------------
     def train(

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from estimax import metrics as metrics_lib
+from estimax import precision
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 
@@ -25,18 +26,29 @@ class Core:
     """The pure functions of one model: what runs on the device per step.
 
     Args:
-      adapter: the model adapter (``model.NNXAdapter``).
+      adapter: the model adapter (``models.Adapter``).
       model_fn: ``model_fn(model, features, labels, mode, params) -> Spec``.
       optimizer: an optax ``GradientTransformation``.
       hparams: the user's params; ``batch_size`` is set per mode by the caller.
+      seed: the base key of initialisation and per-step randomness.
+      compute_dtype: the dtype the model runs in (mixed precision), or None.
     """
 
-    def __init__(self, adapter, model_fn: Callable, optimizer: optax.GradientTransformation, hparams: dict, seed: int):
+    def __init__(
+        self,
+        adapter,
+        model_fn: Callable,
+        optimizer: optax.GradientTransformation,
+        hparams: dict,
+        seed: int,
+        compute_dtype: str | None = None,
+    ):
         self.adapter = adapter
         self.model_fn = model_fn
         self.optimizer = optimizer
         self.hparams = hparams
         self.seed = seed
+        self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
 
     # -- state ---------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -53,10 +65,16 @@ class Core:
         return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def _call(self, params, state: TrainState, batch: Batch, mode: Mode, batch_size: int):
-        module = self.adapter.bind(params, state.model_state, mode, self._key(state))
         features, labels = batch
-        spec = self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size})
-        return check_spec(spec, mode, batch_size), module
+        if self.compute_dtype is not None:
+            params, features = precision.cast_floating((params, features), self.compute_dtype)
+        module = self.adapter.bind(params, state.model_state, mode, self._key(state))
+        spec = check_spec(
+            self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size}), mode, batch_size
+        )
+        if self.compute_dtype is not None:  # outputs leave in float32, whatever the compute dtype
+            spec = Spec(*precision.cast_floating(tuple(spec), jnp.float32))
+        return spec, module
 
     # -- training ------------------------------------------------------------
     def train_step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
@@ -65,7 +83,8 @@ class Core:
 
         def loss_fn(params):
             spec, module = self._call(params, state, batch, TRAIN, batch_size)
-            return jnp.mean(spec.loss), (spec, self.adapter.model_state(module))
+            # The carry of the device loop keeps its dtypes, whatever the compute dtype.
+            return jnp.mean(spec.loss), (spec, precision.like(self.adapter.model_state(module), state.model_state))
 
         (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)

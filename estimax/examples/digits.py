@@ -17,6 +17,8 @@ import estimax as ex
 
 HELD_OUT_FRACTION = 0.2
 SPLIT_SEED = 0
+# What the CLI uses unless told otherwise.
+DEFAULTS = {"batch_size": 128, "max_steps": 400, "steps_per_loop": 50, "loop": "auto"}
 
 
 class CNN(nnx.Module):
@@ -43,6 +45,10 @@ def model_fn(model, features, labels, mode, params) -> ex.Spec:
         return ex.Spec(predictions={"class": predicted, "probabilities": nnx.softmax(logits)})
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     return ex.Spec(loss=loss, metrics={"accuracy": predicted == labels})
+
+
+def prediction_record(row) -> dict:
+    return {"class": row["class"].item()}
 
 
 def build_model(rngs: nnx.Rngs, params: dict) -> CNN:

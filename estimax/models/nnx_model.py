@@ -1,6 +1,6 @@
-"""Adapters that turn a user's model into pure pieces the compiled core can use.
+"""The Flax NNX adapter: a factory ``(rngs, params) -> nnx.Module``.
 
-Owns the boundary between a live Flax NNX module and pytrees: the factory is
+Owns the boundary between a live NNX module and pytrees: the factory is
 traced once for its structure, parameters and other state travel as pytrees,
 and a module is rebuilt (``nnx.merge``) inside each pure function. Never a
 live module inside ``jit``.
@@ -8,6 +8,7 @@ live module inside ``jit``.
 
 from __future__ import annotations
 
+import inspect
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from estimax.models.base import WrappedModel
 from estimax.spec import Mode
 
 ModelFactory = Callable[[nnx.Rngs, dict], nnx.Module]
@@ -36,6 +38,7 @@ class NNXAdapter:
                 f"Estimator(model={factory!r}) is not callable; expected a factory "
                 "`(rngs, params) -> nnx.Module`, e.g. `model=lambda rngs, params: CNN(rngs=rngs)`."
             )
+        _check_factory_signature(factory)
         self._factory = factory
         self._params = params
         self._seed = seed
@@ -70,7 +73,9 @@ class NNXAdapter:
         graph = self._train_graph if mode == Mode.TRAIN else self._eval_graph
         # Placeholders made inside the trace (reseed mutates them); values are replaced below.
         rngs = jax.tree.map(_placeholder, self._abstract_rngs)
-        module = nnx.merge(graph, params, rngs, model_state)
+        # copy=True: fresh Variables at this trace level, so batch statistics can be updated
+        # inside the gradient trace (the state came from the enclosing loop).
+        module = nnx.merge(graph, params, rngs, model_state, copy=True)
         if self._rng_tags:
             nnx.reseed(module, **{t: jax.random.fold_in(key, zlib.crc32(t.encode())) for t in self._rng_tags})
         return module
@@ -86,6 +91,25 @@ class NNXAdapter:
     def model_state(module: nnx.Module):
         """The non-trained state of ``module`` after a call (e.g. updated batch statistics)."""
         return nnx.split(module, nnx.Param, nnx.RngState, ...)[3]
+
+
+def nnx_model(factory: ModelFactory) -> WrappedModel:
+    """An NNX model built by ``factory(rngs, params)``; the same as passing the factory bare."""
+    return WrappedModel("nnx", lambda hparams, seed: NNXAdapter(factory, hparams, seed))
+
+
+def _check_factory_signature(factory) -> None:
+    try:
+        inspect.signature(factory).bind(None, None)
+    except TypeError:
+        raise TypeError(
+            f"Estimator(model=...) has signature {inspect.signature(factory)}; expected an NNX factory "
+            "`(rngs, params) -> nnx.Module`. Fix: `model=lambda rngs, params: MyModule(rngs=rngs)`; for "
+            "a plain function `(params, features, rng) -> outputs` use "
+            "`model=ex.models.functional(init, apply)`."
+        ) from None
+    except ValueError:  # builtins without a signature: accept
+        pass
 
 
 def _placeholder(leaf: jax.ShapeDtypeStruct) -> jax.Array:

@@ -1,0 +1,46 @@
+"""The model of the TensorFlow official MNIST example: the reference model of the docs.
+
+conv 5x5x32, max-pool, conv 5x5x64, max-pool, dense 1024, dropout 0.4,
+dense 10 (the digits CNN at ``image_size=28``), trained with SGD and an
+exponentially decaying learning rate: 0.05, times 0.96 every 100,000 steps
+(staircase), as an optax schedule. One definition for CPU, GPU and TPU: the
+engine picks the device loop (``loop="auto"``). Features are
+``{"image": (batch, 28, 28) float32 in [0, 1]}``, labels int32 classes.
+"""
+
+from __future__ import annotations
+
+import optax
+from flax import nnx
+
+import estimax as ex
+from estimax.examples import digits
+
+IMAGE_SIZE = 28
+NUM_CLASSES = 10
+DEFAULTS = {"batch_size": 128, "max_steps": 2000, "steps_per_loop": 50, "loop": "auto"}
+model_fn = digits.model_fn
+prediction_record = digits.prediction_record
+
+
+def build_model(rngs: nnx.Rngs, params: dict) -> digits.CNN:
+    return digits.CNN(IMAGE_SIZE, NUM_CLASSES, rngs=rngs)
+
+
+def learning_rate() -> optax.Schedule:
+    return optax.exponential_decay(0.05, transition_steps=100_000, decay_rate=0.96, staircase=True)
+
+
+def optimizer() -> optax.GradientTransformation:
+    return optax.sgd(learning_rate())
+
+
+def estimator(config: ex.RunConfig) -> ex.Estimator:
+    return ex.Estimator(model=build_model, model_fn=model_fn, optimizer=optimizer(), config=config)
+
+
+def load(data_dir: str) -> tuple:
+    """(train, held-out) from MNIST's idx files in ``data_dir`` (held out: the t10k files)."""
+    from estimax.data import idx
+
+    return idx.mnist(data_dir, "train"), idx.mnist(data_dir, "t10k")
