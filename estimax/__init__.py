@@ -4,9 +4,11 @@ from estimax import data, models
 from estimax.checkpoint import CheckpointError
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.estimator import Estimator
+from estimax.hooks import EarlyStopping, Hook
 from estimax.preemption import PREEMPTED_EXIT_CODE, Preempted
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
+from estimax.training import NonFiniteError
 from estimax.warm_start import WarmStart
 
 __all__ = [
@@ -16,8 +18,11 @@ __all__ = [
     "TRAIN",
     "CheckpointError",
     "CheckpointPolicy",
+    "EarlyStopping",
     "Estimator",
+    "Hook",
     "Mode",
+    "NonFiniteError",
     "Preempted",
     "RunConfig",
     "Spec",

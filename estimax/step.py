@@ -95,6 +95,9 @@ class Core:
             # One flag per parameter, so that a NaN is reported with the parameters it hit.
             "finite_grads": jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]),
         }
+        learning_rate = _learning_rate(opt_state)  # the rate this update used
+        if learning_rate is not None:
+            outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
         outputs.update({k: jnp.mean(jnp.asarray(v, jnp.float32)) for k, v in (spec.metrics or {}).items()})
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
 
@@ -118,6 +121,14 @@ class Core:
     def predict_step(self, state: TrainState, batch: Batch):
         spec, _ = self._call(state.params, state, batch, PREDICT, _batch_size(batch))
         return spec.predictions
+
+
+def _learning_rate(opt_state):
+    """The learning rate of this step, where the optimizer exposes it (``optax.inject_hyperparams``)."""
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "hyperparams")):
+        if "learning_rate" in getattr(node, "hyperparams", {}):
+            return node.hyperparams["learning_rate"]
+    return None
 
 
 def _batch_size(batch: Batch) -> int:

@@ -74,6 +74,7 @@ class TrainingLoop:
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
         self.last_metrics: dict[str, float] = {}
+        self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
@@ -86,52 +87,57 @@ class TrainingLoop:
         self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
         for hook in self.hooks:
             hook.begin(info)
-        with PreemptionWatch() as preemption:
-            for chunk in chunks:
-                self.profiler.before_loop(step, state)
-                compiled = self.runner.cache_size()
-                dispatched = time.perf_counter()
-                with self.profiler.annotate(step):
-                    state, outputs = self.runner.run(state, chunk)
-                if self.runner.cache_size() != compiled:
-                    self.seconds["compile"] += time.perf_counter() - dispatched
-                chunks.busy = outputs  # input_wait counts the device's idle time only
-                current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
-                step = current.step_after
-                publish(state, step, current.input_state)
-                if previous is not None:
-                    stop |= self._after_loop(previous, chunks)
-                previous = current
-                self.profiler.after_loop(step, state)
-                if preemption.requested(step):
-                    break
-                if evaluation is not None and (
-                    evaluation.every_steps
-                    and step // evaluation.every_steps > current.step_before // evaluation.every_steps
-                ):
-                    stop |= self._evaluate(evaluation, state, current, preemption)
-                if self.checkpointer and self.checkpointer.due(current.step_before, step):
-                    self._save(state, current)
-                if stop:
-                    self.stopped = True
-                    break
-        if previous is not None:
-            self._after_loop(previous, chunks, final=True)
-        if preemption.signal_name is None and evaluation is not None and not stop:
-            self._evaluate(evaluation, state, previous, preemption, final=True)
-        self.profiler.stop(state)
-        if self.checkpointer and previous is not None:
-            self._save(state, previous)
-            timer = time.perf_counter()
-            self.checkpointer.wait()
-            self.seconds["checkpoint"] += time.perf_counter() - timer
-        self.seconds["input_wait"] = chunks.wait_seconds
-        self._end(step, time.perf_counter() - began)
-        if preemption.signal_name is not None:
-            preempted = Preempted(step, preemption.signal_name)
-            logger.warning("%s", preempted)
-            raise preempted
-        return state, step
+        try:
+            with PreemptionWatch() as preemption:
+                for chunk in chunks:
+                    self.profiler.before_loop(step, state)
+                    compiled = self.runner.cache_size()
+                    dispatched = time.perf_counter()
+                    with self.profiler.annotate(step):
+                        state, outputs = self.runner.run(state, chunk)
+                    if self.runner.cache_size() != compiled:
+                        self.seconds["compile"] += time.perf_counter() - dispatched
+                    chunks.busy = outputs  # input_wait counts the device's idle time only
+                    current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
+                    step = current.step_after
+                    publish(state, step, current.input_state)
+                    if previous is not None:
+                        stop |= self._after_loop(previous, chunks)
+                    previous = current
+                    self.profiler.after_loop(step, state)
+                    if preemption.requested(step):
+                        break
+                    if evaluation is not None and (
+                        evaluation.every_steps
+                        and step // evaluation.every_steps > current.step_before // evaluation.every_steps
+                    ):
+                        stop |= self._evaluate(evaluation, state, current, preemption)
+                    if self.checkpointer and self.checkpointer.due(current.step_before, step):
+                        self._save(state, current)
+                    if stop:
+                        self.stopped = True
+                        break
+            if previous is not None:
+                self._after_loop(previous, chunks, final=True)
+            if preemption.signal_name is None and evaluation is not None and not stop:
+                self._evaluate(evaluation, state, previous, preemption, final=True)
+            self.profiler.stop(state)
+            if self.checkpointer and previous is not None:
+                self._save(state, previous)
+                timer = time.perf_counter()
+                self.checkpointer.wait()
+                self.seconds["checkpoint"] += time.perf_counter() - timer
+            self.seconds["input_wait"] = chunks.wait_seconds
+            self._end(step, time.perf_counter() - began)
+            if preemption.signal_name is not None:
+                preempted = Preempted(step, preemption.signal_name)
+                logger.warning("%s", preempted)
+                raise preempted
+            return state, step
+        except BaseException:
+            if self.checkpointer:
+                self.checkpointer.wait()  # saves in flight complete: checkpoints already written stay valid
+            raise
 
     # -- at a loop boundary ----------------------------------------------------
     def _after_loop(self, loop: _Loop, chunks, final: bool = False) -> bool:
@@ -181,7 +187,7 @@ class TrainingLoop:
     def _evaluate(
         self, evaluation: Evaluation, state, loop: _Loop, preemption: PreemptionWatch, final: bool = False
     ) -> bool:
-        if loop is None:
+        if loop is None or (final and self.last_eval_step == loop.step_after):
             return False
         self._checked(loop)
         timer = time.perf_counter()
@@ -191,7 +197,7 @@ class TrainingLoop:
         self._paused += elapsed
         if metrics is None:  # interrupted by a signal: the loop saves and exits
             return True
-        self.last_metrics = metrics
+        self.last_metrics, self.last_eval_step = metrics, loop.step_after
         record = EvalRecord(loop.step_after, "eval", metrics, elapsed)
         stop = any([bool(hook.after_eval(record)) for hook in self.hooks])
         if evaluation.best is not None:

@@ -32,7 +32,8 @@ def learning_rate() -> optax.Schedule:
 
 
 def optimizer() -> optax.GradientTransformation:
-    return optax.sgd(learning_rate())
+    # inject_hyperparams exposes the learning rate, so the engine logs it every step.
+    return optax.inject_hyperparams(optax.sgd)(learning_rate=learning_rate())
 
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:

@@ -1,0 +1,163 @@
+"""Seeing training: hooks, writers, train_and_evaluate, non-finite values, profiling, the summary."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+from models import blobs, estimator
+
+import estimax as ex
+from estimax.hooks import Hook
+
+DATA = ex.data.from_arrays(*blobs(256))
+
+
+def _records(model_dir, split=None):
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r for r in records if split is None or r["split"] == split]
+
+
+class Recorder(Hook):
+    def __init__(self):
+        self.events = []
+
+    def begin(self, run):
+        self.events.append(("begin", run.start_step, run.target_step))
+
+    def after_loop(self, loop):
+        self.events.append(("loop", loop.step_before, loop.step_after, loop.crossed(10), loop.outputs["loss"].shape))
+
+    def after_eval(self, evaluation):
+        self.events.append(("eval", evaluation.step, evaluation.metrics["num_examples"]))
+
+    def end(self, summary):
+        self.events.append(("end", summary.step))
+
+
+def test_hooks_see_every_loop_and_crossed_multiples():
+    recorder = Recorder()
+    estimator(steps_per_loop=4).train(DATA, max_steps=22, hooks=[recorder])
+    loops = [e for e in recorder.events if e[0] == "loop"]
+    assert recorder.events[0] == ("begin", 0, 22) and recorder.events[-1] == ("end", 22)
+    assert [(b, a) for _, b, a, _, _ in loops] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20), (20, 22)]
+    assert [a for _, _, a, crossed, _ in loops if crossed] == [12, 20]  # 10 and 20 crossed, never hit
+    assert [shape for *_, shape in loops] == [(4,)] * 5 + [(2,)]
+
+
+def test_writers_metrics_file_and_tensorboard_read_back(model_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    est = estimator(
+        model_dir,
+        steps_per_loop=4,
+        log_every_steps=8,
+        tensorboard=True,
+        optimizer=optax.inject_hyperparams(optax.sgd)(learning_rate=optax.linear_schedule(0.1, 0.0, 24)),
+    )
+    est.train(DATA, max_steps=24)
+    est.evaluate(DATA)
+    train = _records(model_dir, "train")
+    assert [r["step"] for r in train] == [8, 16, 24]
+    for key in ("loss", "accuracy", "grad_norm", "learning_rate", "steps_per_sec", "examples_per_sec"):
+        assert key in train[1], key
+    np.testing.assert_allclose(train[0]["learning_rate"], 0.1 * (1 - 3.5 / 24), rtol=1e-5)  # mean of steps 0-7
+    events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"))
+    events.Reload()
+    assert {"loss", "grad_norm", "learning_rate", "steps_per_sec"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == [8, 16, 24]
+    assert events.Scalars("loss")[2].value == pytest.approx(train[2]["loss"], rel=1e-6)
+    evaluation = EventAccumulator(os.path.join(model_dir, "tensorboard", "eval"))
+    evaluation.Reload()
+    assert evaluation.Scalars("accuracy")[0].step == 24
+
+
+def test_train_and_evaluate_alternates_without_recompiling(model_dir):
+    recorder = Recorder()
+    est = estimator(model_dir, steps_per_loop=4, eval_batch_size=64, loop="scan")
+    final = est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every_steps=8, hooks=[recorder])
+    assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16, 24]
+    assert final["num_examples"] == 256 and final == est.evaluate(DATA)
+    assert est._train_runner.scan._cache_size() == 1 and est._eval_runner.step._cache_size() == 1
+    summary = _records(model_dir, "summary")[-1]
+    assert summary["step"] == 24 and summary["accuracy"] == final["accuracy"]
+    for part in ("compile", "device", "input_wait", "checkpoint", "evaluation", "total"):
+        assert summary[f"{part}_seconds"] >= 0
+    assert summary["evaluation_seconds"] > 0 and summary["total_seconds"] >= summary["device_seconds"]
+
+
+def test_the_best_checkpoint_is_the_best(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.5)
+    est.train_and_evaluate(DATA, DATA, max_steps=20, eval_every_steps=2, best_metric="loss", mode="min")
+    evaluations = {r["step"]: r["loss"] for r in _records(model_dir, "eval")}
+    (best_step,) = [int(d) for d in os.listdir(os.path.join(model_dir, "best")) if d.isdigit()]
+    assert evaluations[best_step] == min(evaluations.values())
+    best = est.evaluate(DATA, checkpoint=os.path.join(model_dir, "best"))
+    assert best["loss"] == pytest.approx(evaluations[best_step], rel=1e-6)
+
+
+def test_early_stopping_stops_when_the_metric_stalls():
+    est = estimator(steps_per_loop=2, eval_batch_size=64, lr=0.0)  # nothing is learned: the loss stalls
+    est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, patience=2)
+    assert est.step == 12  # evaluations at 4 (best), 8 and 12 (no improvement twice): stop
+
+
+def _with_nan_at(step, rows=32):
+    features, labels = blobs(320)
+    batches = [({"x": features["x"][i : i + rows].copy()}, labels[i : i + rows]) for i in range(0, 320, rows)]
+    batches[step - 1][0]["x"][3, 0] = np.nan  # the batch of that step (steps count from 1)
+    return batches
+
+
+def test_a_nan_stops_training_with_the_window_and_parameters(model_dir):
+    est = estimator(model_dir, steps_per_loop=4, save_every_steps=4)
+    # ReLU's gradient at NaN is 0, so l1/bias stays finite: only the parameters actually hit are named.
+    with pytest.raises(
+        ex.NonFiniteError,
+        match=r"at step 7 \(in the loop of steps 5-8\): loss nan; non-finite "
+        r"gradients of \['l1/kernel', 'l2/bias', 'l2/kernel'\]"
+        r".*last checkpoint \(step 4\) is kept",
+    ):
+        est.train(_with_nan_at(7), max_steps=10)
+    assert estimator(model_dir).step == 4  # no checkpoint came out of the NaN
+
+
+def test_skip_nonfinite_skips_and_counts(model_dir):
+    est = estimator(model_dir, steps_per_loop=4, log_every_steps=8, skip_nonfinite=True)
+    est.train(_with_nan_at(7), max_steps=10)
+    assert est.step == 10
+    assert all(np.isfinite(np.asarray(v)).all() for v in est.model().l1.kernel[...].ravel()[None])
+    skipped = [r["skipped_update_fraction"] for r in _records(model_dir, "train")]
+    assert skipped[0] == pytest.approx(1 / 8)  # one of steps 1-8
+
+
+def test_profile_steps_write_a_trace(model_dir):
+    estimator(model_dir, steps_per_loop=2, profile_steps=(2, 4)).train(DATA, max_steps=6)
+    assert glob.glob(os.path.join(model_dir, "profile", "**", "*.xplane.pb"), recursive=True)
+
+
+def test_progress_bar_shows_step_loss_and_throughput(capsys):
+    from estimax.hooks import LoopRecord, RunInfo, Summary
+    from estimax.progress import ProgressBar
+
+    bar = ProgressBar(global_batch_size=32)
+    bar.begin(RunInfo(0, 20, 32, 5, None))
+    bar.after_loop(LoopRecord(0, 10, {"loss": np.full(10, 0.5)}, 0.5, 0.1))
+    bar.after_loop(LoopRecord(10, 20, {"loss": np.full(10, 0.25)}, 0.5, 0.0))
+    bar.end(Summary(20, {}, {}))
+    shown = capsys.readouterr().err
+    assert "20/20" in shown and "epoch=4.00" in shown and "steps_s=20.0" in shown and "input_wait=0%" in shown
+    smoothed = float(shown.split("loss=")[1].split(",")[0])
+    assert 0.25 < smoothed < 0.5  # an exponential moving average of 0.5 then 0.25
+
+
+def test_quiet_hides_train_lines(caplog):
+    import logging
+
+    logging.getLogger("estimax").propagate = True
+    with caplog.at_level("INFO", logger="estimax"):
+        estimator(quiet=True, log_every_steps=4).train(DATA, max_steps=8)
+    assert "train step" not in caplog.text and "Done at step 8" in caplog.text
