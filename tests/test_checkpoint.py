@@ -171,3 +171,30 @@ def test_readme_fine_tuning_example(tmp_path):
     assert plan.initialised == ["head/bias", "head/kernel"]
     tuned.train(subset, max_steps=10)
     assert tuned.evaluate(subset)["num_examples"] == first_five.sum()
+
+
+def test_a_streaming_input_resumes_from_the_position_saved_with_the_checkpoint(tmp_path):
+    """A Grain IterDataset cannot seek by step: its iterator state travels in the checkpoint."""
+    import grain
+
+    features, labels = blobs(2000, seed=5)
+
+    def stream():
+        return ex.data.from_grain(
+            grain.MapDataset.range(2000)
+            .shuffle(seed=1)
+            .map(lambda i: ({"x": features["x"][i]}, labels[i]))
+            .to_iter_dataset()
+        )
+
+    uninterrupted = estimator(str(tmp_path / "a"), steps_per_loop=4).train(stream(), max_steps=16)
+    interrupted = str(tmp_path / "b")
+    estimator(interrupted, steps_per_loop=4, save_every_steps=4).train(stream(), max_steps=8)
+    resumed = estimator(interrupted, steps_per_loop=4).train(stream(), max_steps=16)  # a new process would do this
+    for name, value in _params(uninterrupted).items():
+        np.testing.assert_array_equal(_params(resumed)[name], value)
+    restarted = estimator(str(tmp_path / "c"), steps_per_loop=4, save_every_steps=4)
+    restarted.train(stream(), max_steps=8)
+    restarted._input_state = None  # what resuming without the saved position would do: start the stream over
+    restarted.train(stream(), max_steps=16)
+    assert any(not np.array_equal(_params(restarted)[n], v) for n, v in _params(uninterrupted).items())
