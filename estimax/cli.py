@@ -98,10 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         max_steps = given_or_default("max_steps", "max_steps")
         if args.eval_every:
-            estimator.train_and_evaluate(train, held_out, max_steps=max_steps, eval_every_steps=args.eval_every)
+            results = estimator.train_and_evaluate(
+                train, held_out, max_steps=max_steps, eval_every_steps=args.eval_every
+            )
         else:
-            estimator.train(train, max_steps=max_steps)
-        results = estimator.evaluate(held_out)
+            results = estimator.train(train, max_steps=max_steps).evaluate(held_out)
         name = "accuracy" if "accuracy" in results else "loss"
         print(
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "

@@ -213,7 +213,9 @@ class Estimator:
         loop = self._train(train_input, (max_steps, None, epochs), hooks, evaluation)
         if best is not None:
             best.wait()
-        return loop.last_metrics if loop else {}
+        if loop is None:  # nothing left to train: the current state's evaluation
+            return self.evaluate(eval_input)
+        return loop.last_metrics
 
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         cfg = self.config

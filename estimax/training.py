@@ -111,6 +111,9 @@ class TrainingLoop:
                         evaluation.every_steps
                         and step // evaluation.every_steps > current.step_before // evaluation.every_steps
                     ):
+                        # The evaluation waits for this loop anyway: report it first, untimed.
+                        stop |= self._after_loop(current, chunks, untimed=True)
+                        previous = None
                         stop |= self._evaluate(evaluation, state, current, preemption)
                     if self.checkpointer and self.checkpointer.due(current.step_before, step):
                         self._save(state, current)
@@ -140,15 +143,16 @@ class TrainingLoop:
             raise
 
     # -- at a loop boundary ----------------------------------------------------
-    def _after_loop(self, loop: _Loop, chunks, final: bool = False) -> bool:
+    def _after_loop(self, loop: _Loop, chunks, final: bool = False, untimed: bool = False) -> bool:
         outputs = self._checked(loop)
         now = time.perf_counter()
-        # Reads come once the next loop is dispatched; the first (compilation) and the
-        # final one (nothing dispatched after it) are not comparable, so not timed.
-        seconds = None if (self._last_read is None or final) else now - self._last_read - self._paused
+        # Reads come once the next loop is dispatched; the first (compilation), the final
+        # one (nothing dispatched after it) and one read early for an evaluation are not
+        # comparable, so not timed; the read after an untimed one starts a new interval.
+        seconds = None if (self._last_read is None or final or untimed) else now - self._last_read - self._paused
         wait, self._wait_mark = chunks.wait_seconds - self._wait_mark, chunks.wait_seconds
         record = LoopRecord(loop.step_before, loop.step_after, outputs, seconds, wait if seconds else 0.0, final)
-        self._last_read, self._paused = now, 0.0
+        self._last_read, self._paused = (None if untimed else now), 0.0
         return any([bool(hook.after_loop(record)) for hook in self.hooks])
 
     def _checked(self, loop: _Loop) -> dict[str, np.ndarray]:

@@ -67,7 +67,7 @@ class TensorBoardWriter:
 
 
 class ConsoleWriter:
-    """One log line per write: ``train step 200  loss 0.0156  steps/s 30.1 ...``.
+    """One log line per write: ``train step 200  loss 0.0156  steps/s 30.1 ...`` (not for the summary).
 
     ``train_lines=False`` leaves train lines out (a progress bar shows them, or quiet).
     """
@@ -76,6 +76,8 @@ class ConsoleWriter:
         self.train_lines = train_lines
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
+        if split == "summary":  # the training loop logs its own "Done at step ..." line
+            return
         if split != "train" or self.train_lines:
             logger.info("%s step %d  %s", split, step, format_values(values))
 
