@@ -15,9 +15,12 @@ JOB = os.path.join(os.path.dirname(__file__), "resumable_job.py")
 STEPS = 40
 
 
-def _start(model_dir, max_steps=STEPS):
+def _start(model_dir, max_steps=STEPS, *extra):
     return subprocess.Popen(
-        [sys.executable, JOB, model_dir, str(max_steps)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, JOB, model_dir, str(max_steps), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -112,3 +115,18 @@ def test_a_signal_saves_and_exits_for_requeue(tmp_path, uninterrupted, signum):
     assert f"{signal.Signals(signum).name} received" in out
     _run(model_dir)
     _assert_identical(model_dir, uninterrupted)
+
+
+def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_path):
+    model_dir = str(tmp_path / "run")
+    process = _start(model_dir, STEPS, "evaluate")
+    seen = []
+    while not seen or seen[-1].strip() != "evaluating":  # the first evaluation (after step 5) has begun
+        seen.append(process.stdout.readline())
+        assert seen[-1], "".join(seen)
+    started = time.monotonic()
+    process.send_signal(signal.SIGTERM)  # 200 slow evaluation batches (10 s) are still to come
+    out, _ = process.communicate(timeout=60)
+    assert process.returncode == 75, "".join(seen) + out
+    assert time.monotonic() - started < 8, "the evaluation was not interrupted"
+    assert max(_checkpoints(model_dir)[0]) == 5 and "training stopped at step 5" in out
