@@ -176,11 +176,13 @@ class Sync:
         everyone = range(jax.process_count())
         late = {p: statuses.get(p, "nothing reported") for p in everyone if statuses.get(p) != arrived}
         named = "; ".join(f"process {p} was last: {doing}" for p, doing in sorted(late.items()))
+        if statuses and not late:
+            named = "none: this process is the late one (the others' barrier had already timed out)"
+        said = str(error).splitlines()[0].rstrip(".") if str(error) else type(error).__name__
         return (
             f"Process {jax.process_index()} waited {waited:.0f} s at the barrier before '{what}' "
             f"(timeout {self.timeout_seconds:g} s); {len(late)} of {jax.process_count()} processes did not "
-            f"arrive: {named or 'unknown (the coordination service did not answer)'}. "
-            f"JAX said: {str(error).splitlines()[0] if str(error) else type(error).__name__}. "
+            f"arrive: {named or 'unknown (the coordination service did not answer)'}. JAX said: {said}. "
             "Fix: look at the late processes' logs (a crash, a slower input, a different command line); "
             "raise RunConfig(sync_timeout_seconds=...) if they are only slow. `estimax launch` restarts "
             "the group from the latest checkpoint."
