@@ -109,7 +109,7 @@ class TrainingLoop:
                     stop |= self._after_loop(previous, chunks)
                 previous = current
                 self.profiler.after_loop(step, state)
-                if preemption.requested(step):
+                if preemption.requested(step, since=current.step_before):
                     break
                 if evaluation is not None and (
                     evaluation.every_steps

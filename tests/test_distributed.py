@@ -141,6 +141,26 @@ def test_sigkill_of_one_process_restarts_the_group_and_ends_like_an_uninterrupte
     print(f"restarted from step {min(resumed['losses']) - 1}: final parameters bitwise equal to the uninterrupted run")
 
 
+def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_exit_75(runs, tmp_path):
+    _, _, two, _ = runs
+    model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
+    launcher = _launcher(model_dir, out_dir, "train", str(STEPS), "0.4")
+    deadline = time.monotonic() + 60
+    while max(_steps(model_dir) or [0]) < 8:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, out  # passed through, not restarted
+    stopped = {
+        int(line.split("training stopped at step ")[1].split()[0]) for line in out.splitlines() if "stopped at" in line
+    }
+    assert len(stopped) == 1 and stopped.pop() == max(_steps(model_dir)) < STEPS  # the same step on both
+    assert out.count("training stopped at step") == 2 and "restarting" not in out
+    _finish(_launcher(model_dir, out_dir, "train", str(STEPS)))  # the same command again resumes
+    assert _max_difference(_result(out_dir)["params"], two["params"]) == 0.0
+
+
 _LATE = textwrap.dedent(
     """
     import sys, time
