@@ -228,3 +228,20 @@ def test_launch_checks_its_arguments():
         launch.launch([], 2)
     with pytest.raises(ValueError, match=r"num_processes=0"):
         launch.launch(["true"], 0)
+
+
+def test_the_cli_under_the_launcher_trains_and_predicts_every_example(tmp_path):
+    def cli(*args):
+        command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+        command += ["--", sys.executable, "-m", "estimax.cli", *args, "--model-dir", str(tmp_path / "run")]
+        return _finish(
+            subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+
+    out = cli("train", "--max-steps", "10", "--steps-per-loop", "10", "--loop", "step")
+    assert "[0] held-out accuracy" in out and "on 360 examples after 10 steps" in out
+    assert "[1] held-out" not in out  # process 0 speaks for the group
+    output = tmp_path / "predictions.jsonl"
+    out = cli("predict", "--output", str(output))
+    assert "[0] 360 predictions" in out and "[1] 360" not in out
+    assert [json.loads(line)["index"] for line in output.read_text().splitlines()] == list(range(360))
