@@ -1,6 +1,6 @@
 """estimax: one model definition trained, evaluated and predicted on every device."""
 
-from estimax import data, models
+from estimax import data, distributed, models
 from estimax.checkpoint import CheckpointError
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.estimator import Estimator
@@ -29,5 +29,6 @@ __all__ = [
     "TrainState",
     "WarmStart",
     "data",
+    "distributed",
     "models",
 ]

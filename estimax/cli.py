@@ -5,6 +5,12 @@ and ends with an evaluation of the held-out split; ``--example lstm`` and
 ``--example time_distributed`` run the two 2018 device-loop programs;
 ``--example mnist --data-dir DIR`` (or ``--data mnist``) trains the TF official
 MNIST model on MNIST's idx files (held out: the t10k files).
+
+With several processes (``--coordinator``, ``--num-processes``,
+``--process-id``, the ``ESTIMAX_*`` variables, or a cluster JAX detects), each
+command joins the group before anything touches devices; ``estimax launch
+--num-processes N -- estimax train ...`` starts and supervises such a group on
+this machine.
 """
 
 from __future__ import annotations
@@ -58,10 +64,52 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--quiet", action="store_true", help="no progress bar and no train log lines")
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: stdout summary)")
+        group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
+        group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
+        group.add_argument("--num-processes", type=int, help="processes in the group (ESTIMAX_NUM_PROCESSES)")
+        group.add_argument("--process-id", type=int, help="this process's index, 0 to N-1 (ESTIMAX_PROCESS_ID)")
+    launch = commands.add_parser(
+        "launch",
+        help="run a command as N processes on this machine, restarting the group on failure",
+        usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
+    )
+    _launch_arguments(launch)
     return parser
 
 
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-processes", type=int, required=True, help="processes to start on 127.0.0.1")
+    parser.add_argument(
+        "--devices-per-process", type=int, help="simulate D CPU devices in each process (default: the real devices)"
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=0, help="restart the group from its latest checkpoint up to R times"
+    )
+
+
+def _launch(argv: list[str]) -> int:
+    """``estimax launch [options] -- COMMAND ...``: the options are parsed, the command is not."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="estimax launch", description="Run a command as N local processes.")
+    _launch_arguments(parser)
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1 :]
+    if not command:
+        parser.error("expected the command after `--`, e.g. `estimax launch --num-processes 2 -- estimax train`")
+    from estimax.launch import launch
+
+    try:
+        return launch(
+            command, args.num_processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts
+        )
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:
+        return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if args.data == "mnist":
@@ -74,8 +122,15 @@ def main(argv: list[str] | None = None) -> int:
             profile_steps = tuple(int(x) for x in args.profile_steps.split(":"))
         except ValueError:
             parser.error(f"--profile-steps {args.profile_steps!r}: expected A:B, e.g. 100:110")
+    from estimax import distributed
+
+    # Before anything touches devices: the mesh then spans every process's devices.
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
     import estimax as ex
 
+    first = jax.process_index() == 0  # process 0 speaks for the group
     example = importlib.import_module(f"estimax.examples.{args.example}")
 
     def given_or_default(name: str, default_key: str):  # an explicit 0 still reaches RunConfig's check
@@ -104,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             results = estimator.train(train, max_steps=max_steps).evaluate(held_out)
         name = "accuracy" if "accuracy" in results else "loss"
-        print(
+        print_once = print if first else _silent
+        print_once(
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
             f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
         )
@@ -113,9 +169,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"No checkpoint in {model_dir}: run `estimax train` first.", file=sys.stderr)
             return 2
         results = estimator.evaluate(held_out)
-        print(json.dumps(results))
+        if first:
+            print(json.dumps(results))
     else:
-        records = [example.prediction_record(row) for row in estimator.predict(held_out)]
+        # Every process takes part; process 0 receives every example, in input order.
+        records = [example.prediction_record(row) for row in estimator.predict(held_out, gather=True)]
+        if not first:
+            return 0
         summary = f"{len(records)} predictions"
         if records and "class" in records[0]:
             correct = sum(r["class"] == y for r, y in zip(records, held_out.labels, strict=True))
@@ -125,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
                 f.writelines(json.dumps({"index": i, **r}) + "\n" for i, r in enumerate(records))
         print(summary + (f"; written to {args.output}" if args.output else ""))
     return 0
+
+
+def _silent(*args, **kwargs) -> None:
+    pass
 
 
 if __name__ == "__main__":

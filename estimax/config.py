@@ -88,6 +88,9 @@ class RunConfig:
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
+      sync_timeout_seconds: with several processes, how long the barriers before
+        the first loop and at checkpoints wait for every process before raising
+        an error that names the late ones (``estimax.distributed.Sync``).
     """
 
     model_dir: str | os.PathLike | None = None
@@ -105,6 +108,7 @@ class RunConfig:
     skip_nonfinite: bool = False
     num_devices: int | None = None
     compute_dtype: str | None = None
+    sync_timeout_seconds: float = 300.0
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -115,6 +119,10 @@ class RunConfig:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps"):
             _check_positive("RunConfig", name, getattr(self, name))
+        if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
+            raise ValueError(
+                f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."
+            )
         for name in ("eval_batch_size", "predict_batch_size", "num_devices"):
             if getattr(self, name) is not None:
                 _check_positive("RunConfig", name, getattr(self, name))

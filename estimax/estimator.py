@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 import optax
 
 from estimax import checkpoint as checkpoint_lib
@@ -23,6 +24,7 @@ from estimax import mesh as mesh_lib
 from estimax import report
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
+from estimax.distributed import Sync
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
@@ -76,6 +78,7 @@ class Estimator:
         adapter = resolve_model(model, self.params, config.seed)
         self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
         self._replicated = mesh_lib.replicated(self.mesh)
+        self._sync = Sync(config.sync_timeout_seconds)
         self._checkpointer = (
             None
             if config.model_dir is None
@@ -244,6 +247,7 @@ class Estimator:
             self._param_names,
             skip_nonfinite=cfg.skip_nonfinite,
             profiler=Profiler(cfg.profile_steps, profile_dir(cfg.model_dir)),
+            sync=self._sync,
         )
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
         stacks = feed.train_stacks(
@@ -314,25 +318,31 @@ class Estimator:
         results["num_examples"] = float(next(iter(totals.values())).count)
         return results
 
-    def predict(self, input, *, checkpoint: int | str | None = None) -> Iterator:
+    def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
         """One prediction per example, in input order, as numpy (a dict if model_fn returned one).
 
-        ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
+        With several processes, each yields the examples of its own shard;
+        ``gather=True``: process 0 yields every process's examples in input
+        order and the others yield nothing (all must still iterate: it is a
+        collective). Input order assumes shards ``i::n``, as ``from_arrays``
+        and Grain ``MapDataset`` inputs have. ``checkpoint``: a step of
+        model_dir or a checkpoint path; default: the current state.
         """
         batch_size = self.config.global_predict_batch_size
         mesh_lib.check_batch_size("predict_batch_size", batch_size, self.mesh)
         state = self._state_at(checkpoint)
         predict = self._evaluator().predict
+        rows = _gathered_rows if gather and jax.process_count() > 1 else _rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending = None
         with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
             for db in device_batches:
                 predictions = predict(state, db.batch)
                 if pending is not None:
-                    yield from _rows(*pending)
+                    yield from rows(*pending)
                 pending = (predictions, db.num_valid)
         if pending is not None:
-            yield from _rows(*pending)
+            yield from rows(*pending)
 
     def _evaluator(self) -> EvalRunner:
         if self._eval_runner is None:
@@ -344,6 +354,22 @@ def _rows(predictions, num_valid: int) -> Iterator:
     host = jax.tree.map(mesh_lib.to_host_local, predictions)  # host sync: this batch is done
     for i in range(num_valid):
         yield jax.tree.map(lambda x, i=i: x[i], host)
+
+
+def _gathered_rows(predictions, num_valid: int) -> Iterator:
+    """Every process's rows of one batch on process 0, in input order (shards ``i::n``)."""
+    from jax.experimental import multihost_utils
+
+    # host sync: a collective of every process; each global batch is the processes' host batches in order
+    host = multihost_utils.process_allgather(predictions, tiled=True)
+    valid = multihost_utils.process_allgather(np.int32(num_valid))
+    if jax.process_index() != 0:
+        return
+    count, host_batch = len(valid), len(jax.tree.leaves(host)[0]) // len(valid)
+    for row in range(host_batch):  # local row r of process p is example r * count + p of the batch
+        for process in range(count):
+            if row < valid[process]:
+                yield jax.tree.map(lambda x, i=process * host_batch + row: x[i], host)
 
 
 def _target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int, int | None]:

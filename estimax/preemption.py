@@ -68,12 +68,19 @@ class PreemptionWatch:
         self.signal_name = signal.Signals(signum).name
         logger.warning("%s received: finishing the current loop, then saving and exiting.", self.signal_name)
 
-    def requested(self, step: int) -> bool:
-        """Whether training must stop after ``step`` (the same answer on every process)."""
+    def requested(self, step: int, since: int | None = None) -> bool:
+        """Whether training must stop after ``step`` (the same answer on every process).
+
+        ``since``: the step before the loop that just ran (default ``step - 1``).
+        """
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            if multihost_utils.reached_preemption_sync_point(step):
+            # JAX's sync point is the largest step any process had reported when the notice
+            # came, plus one; Orbax reports steps too (at every save). A loop advances by
+            # steps_per_loop, so every step of it is reported, or the sync point is skipped.
+            first = step if since is None else since + 1
+            if any([multihost_utils.reached_preemption_sync_point(s) for s in range(first, step + 1)]):
                 self.signal_name = self.signal_name or "SIGTERM"
                 return True
             return False

@@ -87,5 +87,6 @@ def ensure_console() -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s estimax  %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    if logger.level == logging.NOTSET:  # distributed.initialize quiets processes other than 0
+        logger.setLevel(logging.INFO)
     logger.propagate = False

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.loop import read_outputs
 from estimax.preemption import Preempted, PreemptionWatch
@@ -69,9 +70,11 @@ class TrainingLoop:
         *,
         skip_nonfinite: bool,
         profiler: Profiler,
+        sync: Sync | None = None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
+        self.sync = sync or Sync()  # barriers and status with several processes; free with one
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None
@@ -87,9 +90,12 @@ class TrainingLoop:
         self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
         for hook in self.hooks:
             hook.begin(info)
+        # A process that is late here (a crash, another command line) is named, not waited for forever.
+        self.sync.barrier(f"the first loop (training from step {step})")
         try:
             with PreemptionWatch() as preemption:
                 for chunk in chunks:
+                    self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
                     self.profiler.before_loop(step, state)
                     compiled = self.runner.cache_size()
                     dispatched = time.perf_counter()
@@ -105,7 +111,7 @@ class TrainingLoop:
                         stop |= self._after_loop(previous, chunks)
                     previous = current
                     self.profiler.after_loop(step, state)
-                    if preemption.requested(step):
+                    if preemption.requested(step, since=current.step_before):
                         break
                     if evaluation is not None and (
                         evaluation.every_steps
@@ -183,6 +189,7 @@ class TrainingLoop:
     def _save(self, state, loop: _Loop) -> None:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
+        self.sync.barrier(f"the checkpoint of step {loop.step_after}")
         self.checkpointer.save(loop.step_after, state, loop.input_state)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed

@@ -124,3 +124,20 @@ def test_prefetch_forwards_errors_and_stops():
             next(items)
     with feed.Prefetch(itertools.count()) as endless:  # closing an unfinished producer returns
         assert next(endless) == 0
+
+
+def test_from_arrays_global_batches_do_not_depend_on_the_process_count():
+    data = ex.data.from_arrays({"id": np.arange(1001)})
+    one = [f["id"] for f, _ in itertools.islice(data.train_batches(48, seed=3, start_step=15), 30)]
+    parts = [
+        [
+            f["id"]
+            for f, _ in itertools.islice(
+                data.train_batches(16, seed=3, start_step=15, process_index=p, process_count=3), 30
+            )
+        ]
+        for p in range(3)
+    ]
+    for step, batch in enumerate(one):  # across an epoch boundary (20 steps per epoch)
+        np.testing.assert_array_equal(np.concatenate([part[step] for part in parts]), batch)
+    assert data.steps_per_epoch(16, 3) == data.steps_per_epoch(48, 1) == 20

@@ -4,8 +4,10 @@ Training batches are random-access by step (batch ``s`` is a pure function of
 the seed and ``s``), so a resumed run continues exactly where it stopped from
 the step alone. Each epoch is a fresh permutation; the remainder of an epoch
 that does not fill a batch is dropped, so every example is seen at most once
-per epoch. Evaluation batches run in order and keep the final partial batch. Each
-process reads rows ``process_index::process_count``.
+per epoch. Evaluation batches run in order and keep the final partial batch. In
+training each process reads its part of every global batch (the global
+batches do not depend on the process count); in evaluation and prediction,
+rows ``process_index::process_count``.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class ArrayDataset:
         return np.arange(process_index, self._size, process_count)
 
     def steps_per_epoch(self, host_batch_size: int, process_count: int = 1) -> int:
-        return (self._size // process_count) // host_batch_size
+        return self._size // (host_batch_size * process_count)
 
     def train_batches(
         self, host_batch_size: int, *, seed: int, start_step: int = 0, process_index: int = 0, process_count: int = 1
@@ -84,19 +86,26 @@ class ArrayDataset:
             yield self._take(np.stack(list(itertools.islice(steps, size))))
 
     def _train_rows(self, host_batch_size, seed, start_step, process_index, process_count) -> Iterator[np.ndarray]:
-        """Row indices of each training batch from ``start_step`` on."""
-        rows = self._shard(process_index, process_count)[: self._size // process_count]
-        per_epoch = len(rows) // host_batch_size
+        """Row indices of this process's part of each training batch from ``start_step`` on.
+
+        Each epoch permutes all examples with the seed; global batch ``s`` is
+        the ``s``-th slice of it and process ``p`` takes the ``p``-th part of
+        that slice. The global batches are the same whatever the process count
+        (the arrays are on every host, so any process can read any row).
+        """
+        global_batch = host_batch_size * process_count
+        per_epoch = self._size // global_batch
         if per_epoch == 0:
             raise ValueError(
-                f"The training set has {len(rows)} examples per process, fewer than one batch of "
-                f"{host_batch_size}; expected at least one full batch. Fix: lower train_batch_size."
+                f"The training set has {self._size} examples, fewer than one batch of {global_batch} "
+                "(train_batch_size, over all processes); expected at least one full batch. Fix: lower train_batch_size."
             )
         first_epoch, first = divmod(start_step, per_epoch)
         for epoch in itertools.count(first_epoch):
-            order = rows[np.random.default_rng([seed, epoch]).permutation(len(rows))]
+            order = np.random.default_rng([seed, epoch]).permutation(self._size)
             for i in range(first, per_epoch):
-                yield order[i * host_batch_size : (i + 1) * host_batch_size]
+                start = i * global_batch + process_index * host_batch_size
+                yield order[start : start + host_batch_size]
             first = 0
 
     def eval_batches(self, host_batch_size: int, *, process_index: int = 0, process_count: int = 1) -> Iterator:

@@ -1,0 +1,189 @@
+"""Many processes, one program: ``jax.distributed`` initialisation and named barriers.
+
+Owns joining the group (from arguments, from the ``ESTIMAX_*`` environment
+variables that ``estimax launch`` sets, or by JAX's own detection on Cloud TPU
+and SLURM), quieting the console of every process but 0, and barriers with a
+timeout that say which process is late and what it was last doing, instead
+of waiting forever. Does not own restarting a failed group (``launch.py``):
+when a peer dies, JAX aborts the others, and only a supervisor can recover.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import jax
+
+logger = logging.getLogger("estimax")
+
+COORDINATOR_ENV = "ESTIMAX_COORDINATOR"
+NUM_PROCESSES_ENV = "ESTIMAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "ESTIMAX_PROCESS_ID"
+ALL_LOGS_ENV = "ESTIMAX_LOG_ALL_PROCESSES"  # "1": every process logs INFO lines, not only process 0
+# JAX's own variable (read by jax.distributed), and the clusters JAX detects by itself.
+_JAX_COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+_SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+_STATUS_KEY = "estimax/status/"
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    force: bool = False,
+    timeout_seconds: int = 300,
+) -> bool:
+    """Joins this process to the group before anything touches devices; returns whether it did.
+
+    Arguments left ``None`` come from ``ESTIMAX_COORDINATOR``,
+    ``ESTIMAX_NUM_PROCESSES`` and ``ESTIMAX_PROCESS_ID`` (``estimax launch``
+    sets them), then from JAX's detection (``JAX_COORDINATOR_ADDRESS``, SLURM,
+    Open MPI, Cloud TPU). With none of them this is one process and nothing is
+    done, unless ``force=True``: then a group of one on 127.0.0.1 starts, which
+    JAX's preemption sync needs. Calling it again is a no-op.
+    """
+    if jax.distributed.is_initialized():
+        return True
+    coordinator = coordinator or os.environ.get(COORDINATOR_ENV)
+    num_processes = _int_or_none(NUM_PROCESSES_ENV, num_processes)
+    process_id = _int_or_none(PROCESS_ID_ENV, process_id)
+    given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
+    if any(v is not None for v in given.values()) and num_processes != 1:
+        missing = [k for k, v in given.items() if v is None]
+        if missing and not _cluster_detected():
+            raise ValueError(
+                f"distributed.initialize received {given}; expected all three of coordinator "
+                "(host:port of process 0), num_processes and process_id, e.g. "
+                "`estimax train --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0`. "
+                f"Fix: also set {', '.join(missing)} (flags or ESTIMAX_* environment variables)."
+            )
+    elif num_processes == 1 or not _cluster_detected():
+        if not force:
+            return False
+        coordinator, num_processes, process_id = f"127.0.0.1:{free_port()}", 1, 0
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_seconds,
+        )
+    except RuntimeError as error:
+        if "before any JAX" in str(error) or "must be called before" in str(error):
+            raise RuntimeError(
+                "estimax.distributed.initialize() was called after JAX had started its devices; expected it "
+                "first. Fix: call it at the top of the program, before building an Estimator or any array."
+            ) from error
+        raise
+    if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
+        logger.setLevel(logging.WARNING)  # process 0 speaks for the group
+    logger.info(
+        "Process %d of %d joined the group at %s: %d local and %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        coordinator or "(detected)",
+        jax.local_device_count(),
+        jax.device_count(),
+    )
+    return True
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _int_or_none(env: str, value: int | None) -> int | None:
+    if value is not None:
+        return value
+    text = os.environ.get(env)
+    if text is None or text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{env}={text!r} is not an integer; expected e.g. {env}=2.") from None
+
+
+def _cluster_detected() -> bool:
+    """Whether JAX can find the group by itself (it then fills in what is missing)."""
+    if os.environ.get(_JAX_COORDINATOR_ENV) or "OMPI_MCA_orte_hnp_uri" in os.environ:
+        return True
+    if all(v in os.environ for v in _SLURM_ENV):
+        return int(os.environ["SLURM_NTASKS"]) > 1
+    try:  # a Cloud TPU VM: TPU chips on the PCI bus (a local check; JAX then asks the metadata server)
+        from jax._src import hardware_utils
+
+        return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except Exception:  # a private module of JAX: if it moved, rely on the other signs
+        return False
+
+
+def _client():
+    """JAX's coordination-service client (what ``multihost_utils`` uses too; not public API)."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+class SyncTimeout(RuntimeError):
+    """A barrier was not reached by every process in time."""
+
+
+class Sync:
+    """Named barriers with a timeout, and each process's last reported activity.
+
+    With one process everything here is free and does nothing. With several,
+    ``status(what)`` records what this process is doing (one small write to
+    JAX's coordination service), and ``barrier(what)`` waits for every
+    process; past ``timeout_seconds`` it raises ``SyncTimeout`` naming the
+    processes that did not arrive and what they last reported.
+    """
+
+    def __init__(self, timeout_seconds: float = 300.0):
+        self.timeout_seconds = timeout_seconds
+        self._count = 0  # barriers are named by their order, the same on every process
+        self._client = _client() if jax.process_count() > 1 else None
+
+    def status(self, what: str) -> None:
+        if self._client is not None:
+            self._client.key_value_set(f"{_STATUS_KEY}{jax.process_index()}", what, allow_overwrite=True)
+
+    def barrier(self, what: str) -> None:
+        if self._client is None:
+            return
+        self._count += 1
+        arrived = f"waiting at barrier {self._count} ({what})"
+        self.status(arrived)
+        started = time.monotonic()
+        try:
+            self._client.wait_at_barrier(f"estimax/{self._count}", int(self.timeout_seconds * 1000))
+        except Exception as error:  # jax's JaxRuntimeError: DEADLINE_EXCEEDED, or a peer gone
+            raise SyncTimeout(self._late(what, arrived, time.monotonic() - started, error)) from error
+
+    def _late(self, what: str, arrived: str, waited: float, error: Exception) -> str:
+        statuses = {}
+        try:
+            statuses = {int(k.rsplit("/", 1)[1]): v for k, v in self._client.key_value_dir_get(_STATUS_KEY)}
+        except Exception:  # the coordinator itself may be gone
+            pass
+        everyone = range(jax.process_count())
+        late = {p: statuses.get(p, "nothing reported") for p in everyone if statuses.get(p) != arrived}
+        named = "; ".join(f"process {p} was last: {doing}" for p, doing in sorted(late.items()))
+        if statuses and not late:
+            named = "none: this process is the late one (the others' barrier had already timed out)"
+        said = str(error).splitlines()[0].rstrip(".") if str(error) else type(error).__name__
+        return (
+            f"Process {jax.process_index()} waited {waited:.0f} s at the barrier before '{what}' "
+            f"(timeout {self.timeout_seconds:g} s); {len(late)} of {jax.process_count()} processes did not "
+            f"arrive: {named or 'unknown (the coordination service did not answer)'}. JAX said: {said}. "
+            "Fix: look at the late processes' logs (a crash, a slower input, a different command line); "
+            "raise RunConfig(sync_timeout_seconds=...) if they are only slow. `estimax launch` restarts "
+            "the group from the latest checkpoint."
+        )

@@ -1,0 +1,89 @@
+"""One process of a multi-process run, for tests/test_distributed.py.
+
+`python tests/multihost_job.py MODEL_DIR OUT_DIR [train|evaluate] [MAX_STEPS] [SECONDS_PER_LOOP]`
+
+Joins the group from the ESTIMAX_* variables (a no-op with none: one
+process), with the devices JAX_NUM_CPU_DEVICES gives. `train` trains the
+tiny MLP to MAX_STEPS (saving every 4 steps), then evaluates and predicts;
+`evaluate` only restores and evaluates. Process 0 writes OUT_DIR/result.json
+(per-step losses, evaluation, predictions gathered in input order, final
+parameters); every process writes OUT_DIR/local-<i>.json (what it predicted
+itself) and OUT_DIR/pid-<i> on start.
+"""
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from estimax import distributed  # noqa: E402
+
+distributed.initialize()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from models import blobs, estimator  # noqa: E402
+
+import estimax as ex  # noqa: E402
+from estimax.hooks import Hook  # noqa: E402
+
+NUM_TRAIN, NUM_EVAL = 256, 203  # 203: not a multiple of any batch or process count: padding on every process
+FEATURES, LABELS = blobs(NUM_TRAIN + NUM_EVAL)
+
+
+class Losses(Hook):
+    """Per-step losses of every loop, slowed down on request (so that a test can kill a process mid-run)."""
+
+    def __init__(self, seconds_per_loop: float):
+        self.losses, self.seconds_per_loop = {}, seconds_per_loop
+
+    def after_loop(self, loop):
+        for i, loss in enumerate(loop.outputs["loss"]):
+            self.losses[loop.step_before + i + 1] = float(loss)
+        time.sleep(self.seconds_per_loop)
+
+
+def main():
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    mode = sys.argv[3] if len(sys.argv) > 3 else "train"
+    max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 24
+    seconds_per_loop = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+    process = jax.process_index()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"pid-{process}"), "w") as f:
+        f.write(str(os.getpid()))
+    est = estimator(
+        model_dir, loop="scan", steps_per_loop=4, save_every_steps=4, eval_batch_size=16, sync_timeout_seconds=60
+    )
+    losses = Losses(seconds_per_loop)
+    if mode == "train":
+        est.train(
+            ex.data.from_arrays({"x": FEATURES["x"][:NUM_TRAIN]}, LABELS[:NUM_TRAIN]),
+            max_steps=max_steps,
+            hooks=[losses],
+        )
+    held_out = ex.data.from_arrays({"x": FEATURES["x"][NUM_TRAIN:]}, LABELS[NUM_TRAIN:])
+    results = est.evaluate(held_out)
+    local = [int(p["class"]) for p in est.predict(held_out)]
+    gathered = [p["logits"].tolist() for p in est.predict(held_out, gather=True)]
+    with open(os.path.join(out_dir, f"local-{process}.json"), "w") as f:
+        json.dump({"classes": local, "process_count": jax.process_count()}, f)
+    if process == 0:
+        leaves = jax.tree_util.tree_leaves_with_path(jax.device_get(est._ensure_state().params))
+        result = {
+            "step": est.step,
+            "losses": losses.losses,
+            "eval": results,
+            "predictions": gathered,
+            "params": {jax.tree_util.keystr(k): np.asarray(v).tolist() for k, v in leaves},
+            "devices": jax.device_count(),
+            "processes": jax.process_count(),
+        }
+        with open(os.path.join(out_dir, "result.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Many processes through jax.distributed: real processes on 127.0.0.1 (gloo CPU collectives).
+
+The reference is always a 1-process run on 8 simulated devices of the same
+job (tests/multihost_job.py); the group is 2 processes x 4 devices, started
+by `estimax launch`.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from estimax import distributed, launch
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+JOB = os.path.join(TESTS, "multihost_job.py")
+STEPS = 24
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    # This checkout's package (not whichever estimax is installed) and the tests' models.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def _launcher(*job_args, max_restarts=0):
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+    command += ["--max-restarts", str(max_restarts), "--", sys.executable, JOB, *job_args]
+    return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(process, timeout=120):
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, out
+    return out
+
+
+def _one_process(*job_args):
+    result = subprocess.run(
+        [sys.executable, JOB, *job_args],
+        env=_env(JAX_NUM_CPU_DEVICES="8"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _result(out_dir):
+    with open(os.path.join(out_dir, "result.json")) as f:
+        result = json.load(f)
+    result["losses"] = {int(k): v for k, v in result["losses"].items()}
+    return result
+
+
+def _max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same job as 1 process x 8 devices and as 2 processes x 4 devices."""
+    root = tmp_path_factory.mktemp("multihost")
+    _one_process(str(root / "one"), str(root / "one-out"), "train", str(STEPS))
+    out = _finish(_launcher(str(root / "two"), str(root / "two-out"), "train", str(STEPS)))
+    return root, _result(root / "one-out"), _result(root / "two-out"), out
+
+
+def test_two_processes_train_and_evaluate_like_one(runs):
+    _, one, two, out = runs
+    assert (one["processes"], one["devices"], two["processes"], two["devices"]) == (1, 8, 2, 8)
+    assert sorted(two["losses"]) == list(range(1, STEPS + 1))
+    loss_difference = _max_difference(one["losses"], two["losses"])
+    print(f"max |loss(2x4) - loss(1x8)| over {STEPS} steps: {loss_difference:.3g}")
+    assert loss_difference <= 1e-5
+    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert one["eval"]["num_examples"] == two["eval"]["num_examples"] == 203  # exact, padded on both processes
+    assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= 1e-5
+    assert one["eval"]["accuracy"] == two["eval"]["accuracy"]
+    # Only process 0 logs (the others keep to warnings); every line says where it came from.
+    assert "[0] " in out and "Training steps 0 -> 24" in out
+    assert not any(line.startswith("[1] ") and "estimax  train step" in line for line in out.splitlines())
+
+
+def test_predict_yields_every_example_once(runs):
+    root, one, two, _ = runs
+    assert len(two["predictions"]) == len(one["predictions"]) == 203
+    np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)  # gathered in input order
+    local = [json.load(open(root / "two-out" / f"local-{p}.json"))["classes"] for p in range(2)]
+    assert [len(c) for c in local] == [102, 101]  # each process its own rows 0::2 and 1::2
+    interleaved = [local[i % 2][i // 2] for i in range(203)]
+    assert interleaved == [int(np.argmax(p)) for p in two["predictions"]]
+
+
+def test_a_checkpoint_of_two_processes_restores_in_one(runs, tmp_path):
+    root, _, two, _ = runs
+    _one_process(str(root / "two"), str(tmp_path), "evaluate")
+    restored = _result(tmp_path)
+    assert restored["processes"] == 1 and restored["step"] == STEPS
+    assert _max_difference(restored["params"], two["params"]) == 0.0  # the very arrays saved
+    assert restored["eval"]["num_examples"] == 203
+    assert abs(restored["eval"]["loss"] - two["eval"]["loss"]) <= 1e-6
+
+
+def _steps(model_dir):
+    root = os.path.join(model_dir, "checkpoints")
+    return [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+
+
+def test_sigkill_of_one_process_restarts_the_group_and_ends_like_an_uninterrupted_run(runs, tmp_path):
+    _, _, two, _ = runs
+    model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
+    launcher = _launcher(model_dir, out_dir, "train", str(STEPS), "1.0", max_restarts=1)
+    deadline = time.monotonic() + 60
+    while max(_steps(model_dir) or [0]) < 8:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+        time.sleep(0.05)
+    with open(os.path.join(out_dir, "pid-1")) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+    out = _finish(launcher)
+    assert "process 1 was killed by SIGKILL; stopping the others" in out
+    assert "restarting the group from its latest checkpoint (1 of 1)" in out
+    assert out.count("Restored checkpoint step") == 1  # the second start resumed (process 0 logs)
+    resumed = _result(out_dir)
+    assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
+    assert _max_difference(resumed["params"], two["params"]) == 0.0
+    assert max(abs(resumed["losses"][s] - two["losses"][s]) for s in resumed["losses"]) == 0.0
+    assert resumed["eval"] == two["eval"]
+    print(f"restarted from step {min(resumed['losses']) - 1}: final parameters bitwise equal to the uninterrupted run")
+
+
+def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_exit_75(runs, tmp_path):
+    _, _, two, _ = runs
+    model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
+    launcher = _launcher(model_dir, out_dir, "train", str(STEPS), "1.0")
+    deadline = time.monotonic() + 60
+    while max(_steps(model_dir) or [0]) < 8:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 75, out  # passed through, not restarted
+    stopped = {
+        int(line.split("training stopped at step ")[1].split()[0]) for line in out.splitlines() if "stopped at" in line
+    }
+    assert len(stopped) == 1 and stopped.pop() == max(_steps(model_dir)) < STEPS  # the same step on both
+    assert out.count("training stopped at step") == 2 and "restarting" not in out
+    _finish(_launcher(model_dir, out_dir, "train", str(STEPS)))  # the same command again resumes
+    assert _max_difference(_result(out_dir)["params"], two["params"]) == 0.0
+
+
+_LATE = textwrap.dedent(
+    """
+    import sys, time
+    from estimax import distributed
+    distributed.initialize()
+    import jax
+    sync = distributed.Sync(timeout_seconds=3)
+    if jax.process_index() == 1:
+        sync.status("reading a very slow input")
+        time.sleep(8)
+    sync.barrier("the first loop")
+    """
+)
+
+
+def test_a_late_process_is_named_not_waited_for(tmp_path):
+    port = distributed.free_port()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", _LATE],
+            env=_env(
+                JAX_NUM_CPU_DEVICES="1",
+                ESTIMAX_COORDINATOR=f"127.0.0.1:{port}",
+                ESTIMAX_NUM_PROCESSES="2",
+                ESTIMAX_PROCESS_ID=str(i),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        out, _ = processes[0].communicate(timeout=60)
+    finally:
+        for p in processes:
+            p.kill()
+            p.wait()
+    assert processes[0].returncode != 0
+    assert "SyncTimeout" in out
+    assert re.search(r"Process 0 waited \d+ s at the barrier before 'the first loop' \(timeout 3 s\)", out)
+    assert "1 of 2 processes did not arrive: process 1 was last: reading a very slow input" in out
+
+
+def test_initialize_is_a_no_op_for_one_process(monkeypatch):
+    for name in (distributed.COORDINATOR_ENV, distributed.NUM_PROCESSES_ENV, distributed.PROCESS_ID_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert distributed.initialize() is False
+    assert distributed.initialize(num_processes=1) is False
+
+
+def test_initialize_names_what_is_missing(monkeypatch):
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    monkeypatch.setenv(distributed.NUM_PROCESSES_ENV, "two")
+    with pytest.raises(ValueError, match=r"ESTIMAX_NUM_PROCESSES='two' is not an integer"):
+        distributed.initialize()
+    monkeypatch.delenv(distributed.NUM_PROCESSES_ENV)
+    with pytest.raises(ValueError, match=r"Fix: also set num_processes, process_id"):
+        distributed.initialize("127.0.0.1:1234")
+
+
+def test_launch_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"received no command"):
+        launch.launch([], 2)
+    with pytest.raises(ValueError, match=r"num_processes=0"):
+        launch.launch(["true"], 0)
+
+
+def test_the_cli_under_the_launcher_trains_and_predicts_every_example(tmp_path):
+    def cli(*args):
+        command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+        command += ["--", sys.executable, "-m", "estimax.cli", *args, "--model-dir", str(tmp_path / "run")]
+        return _finish(
+            subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+
+    out = cli("train", "--max-steps", "10", "--steps-per-loop", "10", "--loop", "step")
+    assert "[0] held-out accuracy" in out and "on 360 examples after 10 steps" in out
+    assert "[1] held-out" not in out  # process 0 speaks for the group
+    output = tmp_path / "predictions.jsonl"
+    out = cli("predict", "--output", str(output))
+    assert "[0] 360 predictions" in out and "[1] 360" not in out
+    assert [json.loads(line)["index"] for line in output.read_text().splitlines()] == list(range(360))
