@@ -89,12 +89,11 @@ class Core:
         (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        outputs = {
-            "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            # One flag per parameter, so that a NaN is reported with the parameters it hit.
-            "finite_grads": jnp.stack([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]),
-        }
+        # One pass over the gradients: per-parameter sums of squares give the global norm, and
+        # a flag per parameter (a NaN/Inf makes its sum non-finite), so that a NaN is reported
+        # with the parameters it hit.
+        squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads)])
+        outputs = {"loss": loss, "grad_norm": jnp.sqrt(jnp.sum(squares)), "finite_grads": jnp.isfinite(squares)}
         learning_rate = _learning_rate(opt_state)  # the rate this update used
         if learning_rate is not None:
             outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
