@@ -86,7 +86,8 @@ class Estimator:
         )
         self._warm_start = warm_start
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
-        self._param_names = leaf_names(jax.eval_shape(self._core.init_state).params)
+        self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
+        self._param_names = leaf_names(self._abstract_state.params)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -100,7 +101,7 @@ class Estimator:
 
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
-        return checkpoint_lib.abstract_like(jax.eval_shape(self._core.init_state), self._replicated)
+        return checkpoint_lib.abstract_like(self._abstract_state, self._replicated)
 
     def _ensure_state(self):
         """The latest good checkpoint in model_dir if newer than what is in memory, else a
