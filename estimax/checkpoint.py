@@ -81,12 +81,17 @@ class Checkpointer:
         by_time = seconds is not None and time.monotonic() - self._last_save >= seconds
         return by_steps or by_time
 
-    def save(self, step: int, state, input_state=None, metrics: dict | None = None) -> None:
-        """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices."""
+    def save(self, step: int, state, input_state=None, metrics: dict | None = None, loop: str | None = None) -> None:
+        """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices.
+
+        ``loop``: the device loop mode the state was trained with, which a resumed ``auto`` run keeps.
+        """
         if step in self._manager.all_steps():
             return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
         meta = {"step": step, "input_state": input_state, "checksums": sums, "saved_at": time.time()}
+        if loop is not None:
+            meta["loop"] = loop
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()

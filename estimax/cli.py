@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Before anything touches devices: the mesh then spans every process's devices.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from estimax import compile_cache
+
+    compile_cache.enable(compile_cache.default_directory())  # a second command does not compile again
     import jax
 
     import estimax as ex

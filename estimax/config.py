@@ -68,8 +68,9 @@ class RunConfig:
       loop: how the steps of one loop are run on the device: ``"scan"`` (one
         compiled ``lax.scan`` of ``steps_per_loop`` steps), ``"step"`` (one
         compiled call per step, dispatched without waiting) or ``"auto"``
-        (``scan`` on accelerators; on CPU, both are timed on the first steps
-        and the faster one is kept).
+        (``scan``, except ``step`` for models with convolutions on CPU, decided
+        from the traced step without running it; a resumed run keeps the mode
+        its checkpoint was trained with).
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
       checkpoint: when checkpoints are saved and kept (``CheckpointPolicy``).
@@ -88,6 +89,10 @@ class RunConfig:
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
+      compilation_cache: a directory where compiled programs are kept for later
+        processes (JAX's persistent compilation cache, process-wide; see
+        ``estimax.compile_cache``); ``None`` (default): not kept. The ``estimax``
+        command uses ``~/.cache/estimax/jax``.
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
@@ -109,6 +114,7 @@ class RunConfig:
     num_devices: int | None = None
     compute_dtype: str | None = None
     sync_timeout_seconds: float = 300.0
+    compilation_cache: str | os.PathLike | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -136,8 +142,9 @@ class RunConfig:
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         check_compute_dtype(self.compute_dtype)
-        if self.model_dir is not None:
-            object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
+        for name in ("model_dir", "compilation_cache"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
 
     @property
     def global_eval_batch_size(self) -> int:

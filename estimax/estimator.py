@@ -20,8 +20,8 @@ import numpy as np
 import optax
 
 from estimax import checkpoint as checkpoint_lib
+from estimax import compile_cache, report
 from estimax import mesh as mesh_lib
-from estimax import report
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -74,9 +74,18 @@ class Estimator:
         if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
+        compile_cache.enable(config.compilation_cache)
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
         adapter = resolve_model(model, self.params, config.seed)
-        self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
+        self._core = Core(
+            adapter,
+            model_fn,
+            optimizer,
+            self.params,
+            config.seed,
+            config.compute_dtype,
+            measure_every_step=config.skip_nonfinite,  # every skipped update is counted
+        )
         self._replicated = mesh_lib.replicated(self.mesh)
         self._sync = Sync(config.sync_timeout_seconds)
         self._checkpointer = (
@@ -86,6 +95,7 @@ class Estimator:
         )
         self._warm_start = warm_start
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
+        self._loop_mode: str | None = None  # the loop mode of the restored checkpoint
         self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self._param_names = leaf_names(self._abstract_state.params)
         self._train_runner: TrainRunner | None = None
@@ -111,6 +121,7 @@ class Estimator:
             self._seen_latest = latest
             self._state, meta = self._checkpointer.restore(self.state_shapes())
             self._step, self._input_state = meta["step"], meta.get("input_state")
+            self._loop_mode = meta.get("loop")
         elif self._state is None:
             self._state = jax.jit(self._core.init_state, out_shardings=self._replicated)()
             if self._warm_start is not None:
@@ -241,6 +252,8 @@ class Estimator:
         )
         if self._train_runner is None:
             self._train_runner = TrainRunner(self._core, self.mesh, cfg.loop, cfg.steps_per_loop)
+        if self._loop_mode is not None:
+            self._train_runner.resume(self._loop_mode, start)
         loop = TrainingLoop(
             self._train_runner,
             self._checkpointer,

@@ -3,14 +3,13 @@
 Owns the jitted train/eval/predict functions with their shardings and
 donation, the two ways of running ``steps_per_loop`` training steps (one
 ``lax.scan``, or one call per step with a bounded number in flight), and the
-``auto`` choice between them. Does not own input, checkpoints or reporting.
+``auto`` choice between them, made from the traced step before anything is
+compiled. Does not own input, checkpoints or reporting.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-import time
 
 import jax
 import numpy as np
@@ -24,25 +23,21 @@ logger = logging.getLogger("estimax")
 # Dispatching hundreds of collective-bearing calls without waiting starves
 # XLA:CPU's all-reduce rendezvous; wait for the call this many steps back.
 MAX_STEPS_IN_FLIGHT = 8
-# auto mode: each round times this many steps of each candidate, for up to
-# PROBE_ROUNDS rounds; it keeps "step" only when it is clearly faster, since a
-# scan also frees the host, and stops early on an unambiguous difference.
-MAX_PROBE_STEPS = 8
-PROBE_ROUNDS = 3
-STEP_MUST_WIN_BY = 1.2
-CLEAR_RATIO, CLEAR_SECONDS = 3.0, 0.01
+# The primitives that XLA:CPU runs much slower inside a loop body than as separate calls.
+SLOW_IN_CPU_LOOPS = ("conv_general_dilated",)
 
 
 class TrainRunner:
     """Runs chunks of training steps on the mesh, as a scan or step by step.
 
     ``run`` only dispatches: it returns the new state and the per-step
-    outputs as device arrays, without waiting for them.
+    outputs as device arrays, without waiting for them. ``mode`` is ``"auto"``
+    until the first ``run`` (or ``resume``) settles it on ``"scan"`` or ``"step"``.
     """
 
     def __init__(self, core, mesh, loop: str, steps_per_loop: int):
         rep, stack = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh, stacked=True)
-        batch = mesh_lib.batch_sharding(mesh)
+        self._batch_sharding = batch = mesh_lib.batch_sharding(mesh)
         self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack), out_shardings=(rep, rep), donate_argnums=0)
         self.step = jax.jit(
             _with_step_axis(core.train_step), in_shardings=(rep, batch), out_shardings=(rep, rep), donate_argnums=0
@@ -53,27 +48,26 @@ class TrainRunner:
             out_shardings=batch,
         )
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
-        if loop == "auto" and jax.default_backend() != "cpu":
-            loop = "scan"  # the per-step penalty of a rolled loop is an XLA:CPU matter
+        self._steps_per_loop = steps_per_loop
         self.mode = loop
-        self._probe_steps = p = min(MAX_PROBE_STEPS, steps_per_loop // (1 + 2 * PROBE_ROUNDS))
-        if self.mode == "auto" and p < 2:
-            self.mode = "step"  # too few steps per loop to time both; step is never slow
-        self._probe_slice = jax.jit(
-            lambda s, start: jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, p), s),
-            out_shardings=stack,
-        )
 
     def cache_size(self) -> int:
         """How many programs have been compiled so far (to attribute compile time)."""
         return self.scan._cache_size() + self.step._cache_size()
 
+    def resume(self, mode: str, step: int) -> None:
+        """Under ``auto``, keeps the mode a checkpoint was trained with (exact resume), without choosing."""
+        if self.mode == "auto" and mode in ("scan", "step"):
+            self.mode = mode
+            logger.info("loop=auto: using %s, the mode the checkpoint of step %d was trained with", mode, step)
+
     def run(self, state, chunk: DeviceChunk):
+        if self.mode == "auto":
+            self.mode, reason = self._choose(state, chunk)
+            logger.info("loop=auto: using %s: %s", self.mode, reason)
         if self.mode == "scan":
             state, outputs = self.scan(state, chunk.stack)
             return state, [outputs]
-        if self.mode == "auto" and chunk.num_steps >= (1 + 2 * PROBE_ROUNDS) * self._probe_steps:
-            return self._choose(state, chunk)
         return self._steps(state, chunk.stack, range(chunk.num_steps))
 
     def _steps(self, state, stack, indices):
@@ -85,60 +79,42 @@ class TrainRunner:
                 jax.block_until_ready(outputs[-MAX_STEPS_IN_FLIGHT - 1])  # host sync: bound the queue
         return state, outputs
 
-    def _choose(self, state, chunk: DeviceChunk):
-        """Times both modes on this loop's steps and keeps the faster one from the next loop on.
+    def _choose(self, state, chunk: DeviceChunk) -> tuple[str, str]:
+        """``(mode, reason)`` from the traced train step, without compiling or running a candidate.
 
-        Every probed step is a real training step: results do not depend on
-        the mode beyond float rounding. The scan candidate is compiled ahead of
-        time, so no slow step is spent warming it up.
+        A rolled loop costs accelerators nothing, and saves the host one call per
+        step; XLA:CPU runs convolutions inside a loop body up to 10x slower than
+        as separate calls (jax issue 12868), so a step with convolutions on CPU
+        runs step by step. The trace is the one the step mode compiles from.
         """
-        p, at, outputs = self._probe_steps, 0, []
-
-        def steps(n):
-            nonlocal state, at
-            state, out = self._steps(state, chunk.stack, range(at, at + n))
-            outputs.extend(out)
-            at += n
-
-        def scan():
-            nonlocal state, at
-            state, out = compiled_scan(state, self._probe_slice(chunk.stack, self._indices[at]))
-            outputs.append(out)
-            at += p
-
-        def timed(run) -> float:
-            jax.block_until_ready(state)  # host sync: time only this run
-            start = time.perf_counter()
-            run()
-            jax.block_until_ready((state, outputs[-1]))
-            return time.perf_counter() - start
-
-        steps(p)  # compiles the per-step path
-        compiled_scan = self.scan.lower(state, self._probe_slice(chunk.stack, self._indices[0])).compile()
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(1e-4)  # the prefetch thread must not hold the GIL for 5 ms inside a window
-        try:
-            step_times, scan_times = [], []
-            for _ in range(PROBE_ROUNDS):
-                step_times.append(timed(lambda: steps(p)))
-                scan_times.append(timed(scan))
-                fast, slow = sorted((min(step_times), min(scan_times)))
-                if slow > CLEAR_RATIO * fast and slow - fast > CLEAR_SECONDS:
-                    break
-        finally:
-            sys.setswitchinterval(switch_interval)
-        per_step, scanned = min(step_times), min(scan_times)
-        self.mode = "step" if per_step * STEP_MUST_WIN_BY < scanned else "scan"
-        logger.info(
-            "loop=auto: %d steps took %.2f ms as a scan and %.2f ms step by step (best of %d); using %s",
-            p,
-            scanned * 1e3,
-            per_step * 1e3,
-            len(scan_times),
-            self.mode,
+        backend = jax.default_backend()
+        if backend != "cpu":
+            return "scan", f"one compiled loop of {self._steps_per_loop} steps per host call on {backend}"
+        if self._steps_per_loop == 1:
+            return "step", "one step per loop"
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self._batch_sharding), chunk.stack
         )
-        steps(chunk.num_steps - at)  # the rest of this loop, on the already compiled path
-        return state, outputs
+        slow = count_primitives(self.step.trace(state, batch).jaxpr, SLOW_IN_CPU_LOOPS)
+        if slow:
+            return "step", (
+                f"the train step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
+                "a loop body (jax issue 12868)"
+            )
+        return "scan", f"no convolution in the train step: one compiled loop of {self._steps_per_loop} steps per call"
+
+
+def count_primitives(jaxpr, names: tuple[str, ...]) -> int:
+    """How many equations of ``jaxpr`` and of the jaxprs inside it apply one of ``names``."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in names
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
+                    count += count_primitives(inner, names)
+    return count
 
 
 def _with_step_axis(train_step):

@@ -190,7 +190,7 @@ class TrainingLoop:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
-        self.checkpointer.save(loop.step_after, state, loop.input_state)
+        self.checkpointer.save(loop.step_after, state, loop.input_state, loop=self.runner.mode)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
         self._paused += elapsed

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import logging
 import os
 
 import jax
@@ -90,13 +91,48 @@ def test_step_mode_compiles_one_step():
     assert est._train_runner.scan._cache_size() == 0
 
 
-def test_auto_mode_times_both_and_trains_correctly():
+class _TinyCNN(nnx.Module):
+    def __init__(self, rngs, params):
+        self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+        self.out = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.conv(x.reshape(-1, 3, 2, 1))).mean(axis=(1, 2)))
+
+
+@pytest.fixture
+def estimax_log(caplog):
+    """The estimax logger's records (it does not propagate once it has its console handler)."""
+    logger = logging.getLogger("estimax")
+    logger.addHandler(caplog.handler)
+    with caplog.at_level("INFO", logger="estimax"):
+        yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_auto_chooses_from_the_traced_step_without_compiling_the_other_mode(estimax_log):
     features, labels = blobs(512)
     data = ex.data.from_arrays(features, labels)
     est = estimator(loop="auto", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
-    assert est._train_runner.mode in ("scan", "step")
-    reference = estimator(loop="step", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
-    assert _max_relative(_param_leaves(est), _param_leaves(reference)) <= 1e-6
+    config = ex.RunConfig(train_batch_size=32, steps_per_loop=16)
+    cnn = ex.Estimator(_TinyCNN, model_fn, optax.sgd(0.1), config=config).train(data, max_steps=40)
+    assert (est._train_runner.mode, est._train_runner.step._cache_size()) == ("scan", 0)
+    assert (cnn._train_runner.mode, cnn._train_runner.scan._cache_size()) == ("step", 0)
+    assert "loop=auto: using scan: no convolution in the train step" in estimax_log.text
+    assert "loop=auto: using step: the train step has 2 convolutions" in estimax_log.text  # forward, kernel gradient
+    reference = estimator(loop="scan", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
+    assert all(np.array_equal(a, b) for a, b in zip(_param_leaves(est), _param_leaves(reference), strict=True))
+
+
+def test_a_resumed_auto_run_keeps_the_mode_of_its_checkpoint(tmp_path, estimax_log):
+    data = ex.data.from_arrays(*blobs(512))
+    model_dir = str(tmp_path / "run")
+    estimator(model_dir, loop="step", steps_per_loop=4, save_every_steps=4).train(data, max_steps=8)
+    estimax_log.clear()
+    resumed = estimator(model_dir, loop="auto", steps_per_loop=4).train(data, max_steps=16)
+    assert (resumed._train_runner.mode, resumed._train_runner.scan._cache_size()) == ("step", 0)
+    assert "loop=auto: using step, the mode the checkpoint of step 8 was trained with" in estimax_log.text
+    assert "no convolution" not in estimax_log.text  # not chosen again
 
 
 def test_evaluate_counts_every_example_once():
@@ -165,7 +201,7 @@ def test_epochs_train_whole_passes(caplog):
     with caplog.at_level("INFO", logger="estimax"):
         est = estimator(train_batch_size=64).train(data, epochs=2)
     assert est.step == 2 * 15
-    assert "15 steps of 64 examples; 40 examples per epoch are dropped" in caplog.text
+    assert "15 steps of 64 examples; 40 examples per epoch are dropped" in estimax_log.text
 
 
 def test_checkpoints_restore_in_a_new_estimator(model_dir):

@@ -18,28 +18,45 @@ import numpy as np
 class BatchChecker:
     """Checks that every batch matches the first: same features, shapes and numeric dtypes.
 
-    The first batch is described in full; later ones are compared by a cheap
-    signature and described only when it differs (this runs once per batch).
+    The first batch is described in full; a later one costs a comparison of its
+    tree structure and of each array's shape and dtype with the batch before it,
+    and is described only when those differ (this runs once per batch).
     """
 
     def __init__(self):
         self._signature = None
         self._expected = None
         self._count = 0
+        self._last = None  # (treedef, ((shape, dtype), ...)) of the previous batch, rows included
 
     def __call__(self, batch) -> Any:
+        return jax.tree.unflatten(*reversed(self.flatten(batch)))
+
+    def flatten(self, batch) -> tuple[list[np.ndarray], Any]:
+        """``(leaves, treedef)`` of a checked batch, as numpy arrays."""
         leaves, treedef = jax.tree.flatten(batch)
+        if self._last is not None and self._last[0] == treedef and _same_arrays(leaves, self._last[1]):
+            self._count += 1
+            return leaves, treedef
         leaves = [np.asarray(x) for x in leaves]
         signature = (treedef, tuple((x.shape[1:], x.dtype) for x in leaves), {x.shape[:1] for x in leaves})
         if signature != self._signature:
-            batch = jax.tree.unflatten(treedef, leaves)
-            found = describe(batch)
+            found = describe(jax.tree.unflatten(treedef, leaves))
             if self._expected is None:
                 self._expected, self._signature = found, signature
             elif found != self._expected:
                 raise ValueError(f"Input batch {self._count}: {difference(self._expected, found, 'the first batch')}")
+        self._last = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         self._count += 1
-        return jax.tree.unflatten(treedef, leaves)
+        return leaves, treedef
+
+
+def _same_arrays(leaves: list, signature: tuple) -> bool:
+    """Whether ``leaves`` are numpy arrays of exactly these shapes and dtypes."""
+    return len(leaves) == len(signature) and all(
+        type(x) is np.ndarray and x.shape == shape and x.dtype == dtype
+        for x, (shape, dtype) in zip(leaves, signature, strict=True)
+    )
 
 
 def check_pair(item, what: str = "Input") -> None:

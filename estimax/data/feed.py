@@ -10,6 +10,7 @@ how long the consumer waits for it). Does not own shuffling or file formats
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -112,12 +113,20 @@ def train_stacks(
 
 
 def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
+    """Checked batches written straight into one preallocated array per leaf and chunk."""
     check = BatchChecker()
     for size in chunk_sizes:
-        host = [check(b) for b in _take(batches, size)]
-        if host:
-            yield jax.tree.map(lambda *xs: np.stack(xs), *host)
-        if len(host) < size:
+        buffers, treedef, count = None, None, 0
+        for batch in itertools.islice(batches, size):
+            leaves, treedef = check.flatten(batch)
+            if buffers is None:  # fresh buffers: the previous stack may still be in transfer
+                buffers = [np.empty((size, *x.shape), x.dtype) for x in leaves]
+            for buffer, leaf in zip(buffers, leaves, strict=True):
+                buffer[count] = leaf
+            count += 1
+        if count:
+            yield jax.tree.unflatten(treedef, [b[:count] for b in buffers])
+        if count < size:
             return
 
 
@@ -186,7 +195,8 @@ def _rows(batch) -> int:
     leaves = jax.tree.leaves(batch[0])
     if not leaves:
         raise ValueError("Input batch has no feature arrays; expected features with one row per example.")
-    return np.shape(leaves[0])[0]
+    shape = getattr(leaves[0], "shape", None)
+    return (np.shape(leaves[0]) if shape is None else shape)[0]
 
 
 # -- host -> device -----------------------------------------------------------
