@@ -1,0 +1,80 @@
+"""`estimax train` with its default flags (loop="auto"), killed and resumed, ends bitwise where an
+uninterrupted run ends; the persistent compilation cache serves the later processes."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+MAX_STEPS = "200"  # 4 loops of the default 50 steps
+
+
+def _start(model_dir, env):
+    command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--max-steps", MAX_STEPS]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _until(process, text) -> str:
+    """The output of ``process`` up to the first line that contains ``text``."""
+    seen = []
+    while not seen or text not in seen[-1]:
+        seen.append(process.stdout.readline())
+        assert seen[-1], "".join(seen)  # ended without printing it
+    return "".join(seen)
+
+
+def _finish(process) -> str:
+    out, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, out
+    return out
+
+
+def _params(model_dir):
+    manager = ocp.CheckpointManager(os.path.join(model_dir, "checkpoints"))
+    step = manager.latest_step()
+    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+    manager.close()
+    leaves, _ = __import__("jax").tree_util.tree_flatten_with_path(state["params"])
+    return step, {str(path): np.asarray(x) for path, x in leaves}
+
+
+def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(tmp_path):
+    cache = tmp_path / "xdg" / "estimax" / "jax"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.getcwd(),
+        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
+        "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",  # logs each persistent cache hit and miss
+    }
+    env.pop("ESTIMAX_COMPILATION_CACHE", None)
+    reference = str(tmp_path / "uninterrupted")
+    first = _finish(_start(reference, env))
+    assert "loop=auto: using step: the train step has" in first  # the digits CNN: convolutions on CPU
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in first and os.listdir(cache)
+
+    run = str(tmp_path / "run")
+    process = _start(run, env)  # preempted at the end of its first loop: a checkpoint of step 50
+    _until(process, "loop=auto: using step")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 75
+    process = _start(run, env)  # killed as soon as it has resumed
+    _until(process, "loop=auto: using step, the mode the checkpoint of step 50 was trained with")
+    process.kill()
+    process.wait()
+    process = _start(run, env)  # killed in the middle of training
+    _until(process, "train step 100")
+    process.kill()
+    process.wait()
+    last = _finish(_start(run, env))
+    assert "the mode the checkpoint of step 50 was trained with" in last and "no convolution" not in last
+    # The train step compiled by the first process is read back, not compiled again.
+    assert "Persistent compilation cache hit for 'jit_step'" in last
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" not in last
+
+    (step, params), (ref_step, ref_params) = _params(run), _params(reference)
+    assert step == ref_step == int(MAX_STEPS)
+    for name, value in ref_params.items():
+        np.testing.assert_array_equal(params[name], value)  # bitwise
