@@ -201,7 +201,7 @@ def test_epochs_train_whole_passes(caplog):
     with caplog.at_level("INFO", logger="estimax"):
         est = estimator(train_batch_size=64).train(data, epochs=2)
     assert est.step == 2 * 15
-    assert "15 steps of 64 examples; 40 examples per epoch are dropped" in estimax_log.text
+    assert "15 steps of 64 examples; 40 examples per epoch are dropped" in caplog.text
 
 
 def test_checkpoints_restore_in_a_new_estimator(model_dir):
