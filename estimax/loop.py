@@ -10,6 +10,7 @@ compiled. Does not own input, checkpoints or reporting.
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import numpy as np
@@ -49,10 +50,19 @@ class TrainRunner:
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
         self._steps_per_loop = steps_per_loop
         self.mode = loop
+        self.compile_seconds = 0.0  # time spent in calls that compiled (tracing included)
 
-    def cache_size(self) -> int:
-        """How many programs have been compiled so far (to attribute compile time)."""
-        return self.scan._cache_size() + self.step._cache_size()
+    def _timed(self, compiled, *args):
+        """``compiled(*args)``, adding the call's time to ``compile_seconds`` when it compiled.
+
+        Only the call that compiles is counted: a first loop run step by step also
+        waits for its earlier steps to bound the queue, which is not compilation.
+        """
+        size, start = compiled._cache_size(), time.perf_counter()
+        result = compiled(*args)
+        if compiled._cache_size() != size:
+            self.compile_seconds += time.perf_counter() - start
+        return result
 
     def resume(self, mode: str, step: int) -> None:
         """Under ``auto``, keeps the mode a checkpoint was trained with (exact resume), without choosing."""
@@ -64,15 +74,19 @@ class TrainRunner:
         if self.mode == "auto":
             self.mode, reason = self._choose(state, chunk)
             logger.info("loop=auto: using %s: %s", self.mode, reason)
-        if self.mode == "scan":
-            state, outputs = self.scan(state, chunk.stack)
+        if self.mode == "scan":  # a shorter final stack compiles once more
+            state, outputs = self._timed(self.scan, state, chunk.stack)
             return state, [outputs]
         return self._steps(state, chunk.stack, range(chunk.num_steps))
 
     def _steps(self, state, stack, indices):
         outputs = []
         for i in indices:
-            state, out = self.step(state, self._batch_at(stack, self._indices[i]))
+            batch = self._batch_at(stack, self._indices[i])
+            if self.step._cache_size():  # compiled once: every batch has the same shapes
+                state, out = self.step(state, batch)
+            else:
+                state, out = self._timed(self.step, state, batch)
             outputs.append(out)
             if len(outputs) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(outputs[-MAX_STEPS_IN_FLIGHT - 1])  # host sync: bound the queue

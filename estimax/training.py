@@ -97,12 +97,10 @@ class TrainingLoop:
                 for chunk in chunks:
                     self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
                     self.profiler.before_loop(step, state)
-                    compiled = self.runner.cache_size()
-                    dispatched = time.perf_counter()
+                    compiled = self.runner.compile_seconds
                     with self.profiler.annotate(step):
                         state, outputs = self.runner.run(state, chunk)
-                    if self.runner.cache_size() != compiled:
-                        self.seconds["compile"] += time.perf_counter() - dispatched
+                    self.seconds["compile"] += self.runner.compile_seconds - compiled
                     chunks.busy = outputs  # input_wait counts the device's idle time only
                     current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
                     step = current.step_after

@@ -1,0 +1,131 @@
+"""What the per-step gradient checks cost: candidates side by side in one process.
+
+Each candidate is a ``jax.jit`` of ``lax.scan`` over K stacked batches of the
+hand-written train step of ``loops.py`` (same model, optimizer and batches),
+differing only in what it computes from the gradients:
+
+- ``none``: the loss only (the reference);
+- ``every_step``: the global norm and a finite flag per parameter on every step
+  (``estimax.step.grad_checks`` with ``measure=True``; estimax before 0.2);
+- ``norm_only``: ``optax.global_norm`` on every step, no flags;
+- ``carry``: the norm on every step and the flags of the first non-finite step
+  carried through the loop (no per-step flag output);
+- ``cond``: ``grad_checks`` under ``lax.cond``, run on the loop's last step and
+  on any step whose loss is not finite (what estimax does).
+
+Timed windows alternate between candidates; the best of each is kept and
+reported as steps/s and as a fraction of ``none``. Run:
+``python benchmarks/step_extras.py [--workloads mlp,lstm] [--rounds 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from loops import WORKLOADS, Workload, shuffled_batches
+
+from estimax.step import grad_checks
+
+
+def candidates(w: Workload):
+    graphdef, params, rest = nnx.split(w.build(nnx.Rngs(0)), nnx.Param, ...)
+    optimizer = optax.sgd(w.lr)
+
+    def step(state, batch):
+        params, opt_state, rest = state
+        model = nnx.merge(graphdef, params, rest)
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(w.loss(m(batch[0]), batch[1])))(model)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        state = (optax.apply_updates(params, updates), opt_state, nnx.split(model, nnx.Param, ...)[2])
+        return state, loss, grads
+
+    def per_step(extras):
+        def body(state, batch):
+            state, loss, grads = step(state, batch)
+            return state, {"loss": loss, **extras(grads)}
+
+        return lambda state, stack: jax.lax.scan(body, state, stack)
+
+    def carry(state, stack):
+        def body(carry, batch):
+            state, flags = carry
+            state, loss, grads = step(state, batch)
+            checks = grad_checks(grads, True)
+            flags = jnp.where(flags.all(), checks["finite_grads"], flags)  # the first non-finite step's
+            return (state, flags), {"loss": loss, "grad_norm": checks["grad_norm"]}
+
+        num_params = len(jax.tree.leaves(params))
+        (state, flags), outputs = jax.lax.scan(body, (state, jnp.ones(num_params, bool)), stack)
+        return state, (outputs, flags)
+
+    def cond(state, stack):
+        def body(state, xs):
+            batch, last = xs
+            state, loss, grads = step(state, batch)
+            return state, {"loss": loss, **grad_checks(grads, last | ~jnp.isfinite(loss))}
+
+        num_steps = jax.tree.leaves(stack)[0].shape[0]
+        return jax.lax.scan(body, state, (stack, jnp.arange(num_steps) == num_steps - 1))
+
+    loops = {
+        "none": per_step(lambda grads: {}),
+        "every_step": per_step(lambda grads: grad_checks(grads, True)),
+        "norm_only": per_step(lambda grads: {"grad_norm": optax.global_norm(grads)}),
+        "carry": carry,
+        "cond": cond,
+    }
+    state = (params, optimizer.init(params), rest)
+    return state, {name: jax.jit(loop, donate_argnums=0) for name, loop in loops.items()}
+
+
+def benchmark(w: Workload, rounds: int) -> dict:
+    x, y = w.data()
+    initial, loops = candidates(w)
+    states = {name: jax.tree.map(jnp.copy, initial) for name in loops}
+    batches = shuffled_batches(x, y, w.batch)
+    stacks = [
+        jax.device_put(jax.tree.map(lambda *b: np.stack(b), *(next(batches) for _ in range(w.k)))) for _ in range(4)
+    ]
+    num_loops = max((w.scan_steps or w.steps) // w.k, 1)
+
+    def run(name):
+        state = states[name]
+        for i in range(num_loops):
+            state, outputs = loops[name](state, stacks[i % len(stacks)])
+        jax.block_until_ready((state, outputs))
+        states[name] = state
+
+    for name in loops:
+        run(name)  # compiles
+    best = dict.fromkeys(loops, float("inf"))
+    for _ in range(rounds):
+        for name in loops:
+            start = time.perf_counter()
+            run(name)
+            best[name] = min(best[name], time.perf_counter() - start)
+    steps = num_loops * w.k
+    return {
+        "workload": w.name,
+        **{f"{name}_steps_per_sec": round(steps / t) for name, t in best.items()},
+        **{f"{name}_vs_none": round(best["none"] / t, 3) for name, t in best.items() if name != "none"},
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="mlp,lstm", help="comma-separated subset of " + ", ".join(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=5, help="timed windows per candidate (best is kept)")
+    args = parser.parse_args(argv)
+    for name in args.workloads.split(","):
+        print(json.dumps(benchmark(WORKLOADS[name], args.rounds)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
