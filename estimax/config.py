@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from estimax.precision import check_compute_dtype
+from estimax.trackers import resolve as resolve_trackers
 
 LOOP_MODES = ("auto", "scan", "step")
 _UNSET = object()
@@ -88,6 +89,9 @@ class RunConfig:
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
+      trackers: also log the records of ``metrics.jsonl`` to experiment trackers:
+        ``"mlflow"``, ``"mlflow=URI"`` (a server or a local directory), or
+        ``estimax.trackers.MLflow(...)`` (see ``trackers.py``).
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
@@ -109,6 +113,7 @@ class RunConfig:
     num_devices: int | None = None
     compute_dtype: str | None = None
     sync_timeout_seconds: float = 300.0
+    trackers: tuple = ()
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -136,6 +141,7 @@ class RunConfig:
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         check_compute_dtype(self.compute_dtype)
+        object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

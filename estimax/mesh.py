@@ -66,7 +66,8 @@ def to_global(host_tree, sharding: NamedSharding, global_batch_size: int):
 
 def to_host_local(x) -> np.ndarray:
     """This process's rows of an array sharded on the data axis, as numpy."""
+    # Explicit transfers: jax >= 0.12 rejects np.asarray on a device array under transfer_guard("disallow").
     if x.is_fully_addressable:
-        return np.asarray(x)
+        return jax.device_get(x)
     shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return np.concatenate([np.asarray(s.data) for s in shards])
+    return np.concatenate([jax.device_get(s.data) for s in shards])
