@@ -10,7 +10,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "distributed", "models")
+_SUBMODULES = ("data", "distributed", "models", "task", "trackers")
 _NAMES = {
     "CheckpointError": "estimax.checkpoint",
     "CheckpointPolicy": "estimax.config",
