@@ -28,6 +28,7 @@ EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
 DEFAULT_EXAMPLE = "digits"
 TASK_COMMANDS = ("train", "evaluate", "predict")  # the commands that take a task
 USER_ERROR_EXIT = 2
+FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 
 
 def positive_int(text: str) -> int:
@@ -88,29 +89,15 @@ class RunFlag:
 
 TRAIN = ("train",)
 RUN_FLAGS = (
-    RunFlag(
-        "--batch-size",
-        "train_batch_size",
-        "global batch size (default: the task's DEFAULTS, else 32)",
-        {"type": positive_int},
-    ),
-    RunFlag(
-        "--eval-batch-size", "eval_batch_size", "global batch of evaluation and prediction", {"type": positive_int}
-    ),
-    RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed (default: 0)", {"type": non_negative_int}),
+    RunFlag("--batch-size", "train_batch_size", "global batch of a training step", {"type": positive_int}),
+    RunFlag("--eval-batch-size", "eval_batch_size", "batch of evaluation and prediction", {"type": positive_int}),
+    RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
     RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
-    RunFlag("--loop", "loop", "device loop mode (default: auto)", {"choices": ("auto", "scan", "step")}, TRAIN),
+    RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
     RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
-    RunFlag(
-        "--profile-steps", "profile_steps", "A:B: trace steps A to B into the model_dir", {"type": step_range}, TRAIN
-    ),
+    RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
-    RunFlag(
-        "--tracker",
-        "trackers",
-        "also log to an experiment tracker: mlflow, or mlflow=URI (a server or a directory)",
-        {"type": tracker, "action": "append"},
-    ),
+    RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
 )
 
 
@@ -123,12 +110,10 @@ def _parser() -> argparse.ArgumentParser:
         ("evaluate", "evaluate the latest checkpoint on the held-out input"),
         ("predict", "predict the held-out input with the latest checkpoint"),
     ):
-        sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}.")
+        sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}")
         add_task_arguments(sub, name)
         if name == "train":
-            sub.add_argument(
-                "--max-steps", type=non_negative_int, help="train until this step (default: the task's DEFAULTS)"
-            )
+            sub.add_argument("--max-steps", type=non_negative_int, help="train until this step")
             sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: a summary)")

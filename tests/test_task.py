@@ -1,5 +1,6 @@
 """Task modules: a user's own program run by the CLI (real subprocesses), and the convention's checks."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -41,7 +42,8 @@ def project(tmp_path):
 
 def test_a_user_task_is_trained_evaluated_and_predicted_by_module_path_and_file(project):
     common = ["--model-dir", "run", "--set", "hidden=8", "--set", "learning_rate=0.1"]
-    out = _estimax("train", "my_project.task", *common, "--max-steps", "16", cwd=project).stdout
+    tracking = ["--tracker", f"mlflow={project / 'mlruns'}"] if importlib.util.find_spec("mlflow") else []
+    out = _estimax("train", "my_project.task", *common, *tracking, "--max-steps", "16", cwd=project).stdout
     assert "held-out accuracy" in out and "after 16 steps" in out
     assert float(out.split("held-out accuracy ")[1].split()[0]) >= 0.9  # three well-separated clusters
     # The same task as a .py file; hidden=8 must be given again, or the checkpoint's shapes differ.
@@ -55,6 +57,14 @@ def test_a_user_task_is_trained_evaluated_and_predicted_by_module_path_and_file(
     logged = [json.loads(line) for line in open(project / "run" / "metrics.jsonl")]
     assert {r["split"] for r in logged} == {"train", "eval", "summary"}
     assert max(r["step"] for r in logged if r["split"] == "train") == 16
+    if tracking:  # --tracker: the same run in MLflow, with the overridden params
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{project}/mlruns/mlflow.db")
+        (run,) = client.search_runs([client.get_experiment_by_name("estimax").experiment_id])
+        assert run.data.params["params.hidden"] == "8" and run.data.params["train_batch_size"] == "32"
+        last_train = [r for r in logged if r["split"] == "train"][-1]
+        assert run.data.metrics["train/loss"] == pytest.approx(last_train["loss"])
     # Without the override the model is the default (hidden=16): the checkpoint does not fit it.
     mismatch = _estimax("evaluate", "my_project.task", "--model-dir", "run", cwd=project, check=False)
     assert mismatch.returncode != 0
