@@ -19,9 +19,9 @@ import jax
 import numpy as np
 import optax
 
+from estimax import accumulation, report
 from estimax import checkpoint as checkpoint_lib
 from estimax import mesh as mesh_lib
-from estimax import report
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -76,7 +76,9 @@ class Estimator:
         self.params = dict(params or {})
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
         adapter = resolve_model(model, self.params, config.seed)
-        self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
+        self._core = Core(
+            adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype, config.grad_accum_steps
+        )
         self._replicated = mesh_lib.replicated(self.mesh)
         self._sync = Sync(config.sync_timeout_seconds)
         self._checkpointer = (
@@ -88,6 +90,7 @@ class Estimator:
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
         self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self._param_names = leaf_names(self._abstract_state.params)
+        accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -223,6 +226,9 @@ class Estimator:
 
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         cfg = self.config
+        if cfg.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
+            batch_sharding = mesh_lib.batch_sharding(self.mesh)
+            accumulation.check_batch_size(cfg.train_batch_size, cfg.grad_accum_steps, batch_sharding)
         mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
         host_batch = cfg.train_batch_size // jax.process_count()
         state = self._ensure_state()
