@@ -1,9 +1,9 @@
-"""A training job for the kill/resume tests: `python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate]`.
+"""A training job for the kill/resume tests: `python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate] [accum=A]`.
 
 Saves every step (so that a save is nearly always in flight) and logs every
 step, one step per loop, on the 8 simulated devices the tests use. With
 ``evaluate``, runs train_and_evaluate with a slow evaluation input that says
-"evaluating" when it starts.
+"evaluating" when it starts. With ``accum=A``, accumulates gradients over A micro-batches.
 """
 
 import os
@@ -28,8 +28,16 @@ def slow_evaluation(batches=200):
 
 if __name__ == "__main__":
     model_dir, max_steps = sys.argv[1], int(sys.argv[2])
-    est = estimator(model_dir, loop="scan", steps_per_loop=1, log_every_steps=1, save_every_steps=1)
-    if sys.argv[3:] == ["evaluate"]:
+    options = dict(a.split("=") for a in sys.argv[3:] if "=" in a)
+    est = estimator(
+        model_dir,
+        loop="scan",
+        steps_per_loop=1,
+        log_every_steps=1,
+        save_every_steps=1,
+        grad_accum_steps=int(options.get("accum", 1)),
+    )
+    if "evaluate" in sys.argv[3:]:
 
         class SlowEvaluation:
             def __iter__(self):
