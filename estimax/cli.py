@@ -4,7 +4,9 @@
 and ends with an evaluation of the held-out split; ``--example lstm`` and
 ``--example time_distributed`` run the two 2018 device-loop programs;
 ``--example mnist --data-dir DIR`` (or ``--data mnist``) trains the TF official
-MNIST model on MNIST's idx files (held out: the t10k files).
+MNIST model on MNIST's idx files (held out: the t10k files); ``--example lm``
+trains a byte-level transformer language model on the standard library's
+source (or ``--data-dir``: any directory of text files).
 
 With several processes (``--coordinator``, ``--num-processes``,
 ``--process-id``, the ``ESTIMAX_*`` variables, or a cluster JAX detects), each
@@ -22,7 +24,8 @@ import os
 import sys
 import time
 
-EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
+EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
+EXAMPLES_WITH_DATA_DIR = ("mnist", "lm")  # load(data_dir); the others load()
 DEFAULT_EXAMPLE = "digits"
 DEFAULT_MODEL_DIR = os.path.join("runs", "digits")
 
@@ -42,7 +45,10 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--data", choices=("digits", "mnist"), help="--data mnist is --example mnist (MNIST idx files)"
         )
-        sub.add_argument("--data-dir", help="with --example mnist: directory (or fsspec URL) of the MNIST idx files")
+        sub.add_argument(
+            "--data-dir",
+            help="--example mnist: directory (or fsspec URL) of the MNIST idx files; --example lm: text files",
+        )
         sub.add_argument(
             "--model-dir",
             help=f"checkpoints and metrics.jsonl (default: {DEFAULT_MODEL_DIR}, runs/<example> for the others)",
@@ -58,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
             )
             sub.add_argument(
                 "--loop", choices=("auto", "scan", "step"), help="device loop mode (default: auto; scan for lstm, ...)"
+            )
+            sub.add_argument(
+                "--grad-accum", type=int, default=1, help="micro-batches per step (gradient accumulation; default 1)"
             )
             sub.add_argument("--eval-every", type=int, help="also evaluate the held-out split every N steps")
             sub.add_argument("--profile-steps", help="A:B: write a jax.profiler trace of steps A to B to the model_dir")
@@ -146,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         loop=given_or_default("loop", "loop"),
         quiet=getattr(args, "quiet", False),
         profile_steps=profile_steps,
+        grad_accum_steps=getattr(args, "grad_accum", 1),
     )
     estimator = example.estimator(config)
-    train, held_out = example.load(args.data_dir) if args.example == "mnist" else example.load()
+    train, held_out = example.load(args.data_dir) if args.example in EXAMPLES_WITH_DATA_DIR else example.load()
     if args.command == "train":
         start = time.perf_counter()
         max_steps = given_or_default("max_steps", "max_steps")
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         else:
             results = estimator.train(train, max_steps=max_steps).evaluate(held_out)
-        name = "accuracy" if "accuracy" in results else "loss"
+        name = next((n for n in ("accuracy", "bits_per_byte") if n in results), "loss")
         print_once = print if first else _silent
         print_once(
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
