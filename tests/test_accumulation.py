@@ -57,6 +57,14 @@ def test_accumulated_steps_match_one_big_batch(one_batch, accum):
         np.testing.assert_allclose(outputs[name], ref_outputs[name], rtol=1e-5, atol=1e-6)
 
 
+def test_accumulation_under_fsdp_matches_one_replicated_batch(one_batch):
+    est, params, outputs = _train(grad_accum_steps=4, mesh={"fsdp": 8}, fsdp_min_bytes=0)
+    assert any("fsdp" in tuple(row.spec) for row in est.sharding_plan())  # the state really is sharded
+    for got, want in zip(params, one_batch[1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(outputs["loss"], one_batch[2]["loss"], rtol=1e-5, atol=1e-6)
+
+
 def test_a_scalar_loss_is_the_mean_of_equal_micro_batch_means(one_batch):
     def scalar_loss_fn(model, features, labels, mode, params):
         spec = model_fn(model, features, labels, mode, params)

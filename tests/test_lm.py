@@ -1,5 +1,6 @@
 """The byte-level transformer example: it learns, it is causal, its corpus and its rules are sound."""
 
+import dataclasses
 import math
 import os
 import re
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_accumulation import Outputs
 from test_cli import _estimax
 
 import estimax as ex
@@ -41,6 +43,28 @@ def test_a_tiny_model_learns_bytes(corpus, compute_dtype, accum):
     assert est.step == 60 and after["loss"] < before["loss"] - 1.5
     assert after["bits_per_byte"] == pytest.approx(after["loss"] / math.log(2), rel=1e-6)
     assert after["num_examples"] == len(held_out)
+
+
+def test_tensor_and_fsdp_parallel_with_accumulation_trains_like_one_device(corpus):
+    train, _ = corpus
+    features, labels = train.features["bytes"][:320], train.labels[:320]
+    data = ex.data.from_arrays({"bytes": features}, labels)
+    losses = {}
+    for name, layout in {
+        "replicated": {},
+        "data2_fsdp2_model2": {"mesh": {"data": 2, "fsdp": 2, "model": 2}, "fsdp_min_bytes": 0},
+    }.items():
+        accum = 2 if layout else 1
+        config = ex.RunConfig(train_batch_size=32, steps_per_loop=10, loop="scan", quiet=True, grad_accum_steps=accum)
+        outputs = Outputs()
+        est = lm.estimator(dataclasses.replace(config, **layout), max_steps=10, **TINY)
+        est.train(data, max_steps=10, hooks=[outputs])
+        losses[name] = outputs["loss"]
+    plan = {row.path: row.spec for row in est.sharding_plan()}
+    assert tuple(plan["blocks/0/attn/query/kernel"]) == ("fsdp", "model")  # the rule, plus FSDP on the free dimension
+    assert tuple(plan["blocks/0/mlp/down/kernel"]) == ("model", "fsdp")
+    assert losses["replicated"][-1] < losses["replicated"][0]
+    np.testing.assert_allclose(losses["data2_fsdp2_model2"], losses["replicated"], rtol=1e-5)
 
 
 def test_attention_is_causal():

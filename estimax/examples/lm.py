@@ -22,6 +22,7 @@ Run it: ``estimax train --example lm`` or ``python -m estimax.examples.lm``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sysconfig
@@ -144,7 +145,13 @@ def optimizer(max_steps: int = DEFAULTS["max_steps"]) -> optax.GradientTransform
 
 
 def estimator(config: ex.RunConfig, max_steps: int = DEFAULTS["max_steps"], **model) -> ex.Estimator:
-    """``model``: overrides of ``MODEL`` (``seq_len``, ``dim``, ``num_heads``, ``num_layers``, ``mlp_ratio``)."""
+    """``model``: overrides of ``MODEL`` (``seq_len``, ``dim``, ``num_heads``, ``num_layers``, ``mlp_ratio``).
+
+    On a mesh with a ``model`` axis and no rules of the user's, ``SHARDING_RULES``
+    apply (and an ``fsdp`` axis adds FSDP on the other dimension of each kernel).
+    """
+    if config.mesh and "model" in config.mesh and not config.sharding_rules:
+        config = dataclasses.replace(config, sharding_rules=SHARDING_RULES)
     return ex.Estimator(
         model=build_model, model_fn=model_fn, optimizer=optimizer(max_steps), config=config, params={**MODEL, **model}
     )
