@@ -98,11 +98,12 @@ def check_batch_size(global_batch_size: int, grad_accum_steps: int, batch_shardi
         return
     lower = global_batch_size // multiple * multiple
     nearest = " or ".join(str(b) for b in (lower, lower + multiple) if b > 0)
+    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
     raise ValueError(
         f"RunConfig(train_batch_size={global_batch_size}) with grad_accum_steps={grad_accum_steps} does not "
-        f"split into {grad_accum_steps} micro-batches over the {num_batch_shards} batch shards "
-        f"({jax.process_count()} processes); expected a multiple of {grad_accum_steps} x {multiple // grad_accum_steps}"
-        f" = {multiple}. Fix: use train_batch_size {nearest}, or another grad_accum_steps."
+        f"split into {grad_accum_steps} micro-batches over the {num_batch_shards} batch shards{processes}; "
+        f"expected a multiple of {grad_accum_steps} x {multiple // grad_accum_steps} = {multiple}. "
+        f"Fix: use train_batch_size {nearest}, or another grad_accum_steps."
     )
 
 
