@@ -36,7 +36,7 @@ def test_a_tiny_model_learns_bytes(corpus, compute_dtype, accum):
         compute_dtype=compute_dtype,
         grad_accum_steps=accum,
     )
-    est = lm.estimator(config, max_steps=60, **TINY)
+    est = lm.estimator(config, decay_steps=60, **TINY)
     before = est.evaluate(held_out)
     assert before["loss"] > math.log(256)  # no better than uniform over bytes at initialisation
     after = est.train(train, max_steps=60).evaluate(held_out)
@@ -57,7 +57,7 @@ def test_tensor_and_fsdp_parallel_with_accumulation_trains_like_one_device(corpu
         accum = 2 if layout else 1
         config = ex.RunConfig(train_batch_size=32, steps_per_loop=10, loop="scan", quiet=True, grad_accum_steps=accum)
         outputs = Outputs()
-        est = lm.estimator(dataclasses.replace(config, **layout), max_steps=10, **TINY)
+        est = lm.estimator(dataclasses.replace(config, **layout), decay_steps=10, **TINY)
         est.train(data, max_steps=10, hooks=[outputs])
         losses[name] = outputs["loss"]
     plan = {row.path: row.spec for row in est.sharding_plan()}
@@ -68,7 +68,7 @@ def test_tensor_and_fsdp_parallel_with_accumulation_trains_like_one_device(corpu
 
 
 def test_attention_is_causal():
-    model = lm.build_model(nnx.Rngs(0), TINY)
+    model = lm.model(nnx.Rngs(0), TINY)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, TINY["seq_len"])), jnp.int32)
     changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 256)
     graph, state = nnx.split(model)
@@ -95,7 +95,7 @@ def test_the_default_corpus_is_the_standard_library_split_by_file(corpus):
 
 
 def test_tensor_parallel_rules_each_place_parameters_of_their_rank():
-    shapes = jax.eval_shape(lambda: nnx.state(lm.build_model(nnx.Rngs(0), lm.MODEL), nnx.Param))
+    shapes = jax.eval_shape(lambda: nnx.state(lm.model(nnx.Rngs(0), lm.MODEL), nnx.Param))
     leaves = dict(zip(leaf_names(shapes), jax.tree.leaves(shapes), strict=True))
     assert "blocks/0/attn/query/kernel" in leaves and "blocks/1/mlp/down/kernel" in leaves
     for pattern, spec in lm.SHARDING_RULES:

@@ -1,4 +1,9 @@
-"""A decoder-only transformer language model over bytes (vocabulary 256).
+"""A decoder-only transformer language model over bytes (vocabulary 256): a task module.
+
+``estimax train --example lm`` (or ``estimax train estimax.examples.lm``) runs
+it: it defines what every task module defines (``model``, ``model_fn``,
+``optimizer``, ``train_input``, ``eval_input``, ``params``), and the optional
+``DEFAULTS`` and ``prediction_record``; see ``estimax/task.py``.
 
 Pre-norm blocks of causal multi-head self-attention and an MLP, learned
 position embeddings, a final LayerNorm and an untied output projection,
@@ -13,7 +18,7 @@ the output projection split over the vocabulary.
 The default corpus needs no download: the standard library's own ``.py``
 files (``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and the
 test suites, which differ between installations), sorted by path, one file in
-ten held out. ``load(data_dir)`` reads any directory of text files instead.
+ten held out. ``params["data_dir"]`` (``--data-dir``) reads any directory of text files instead.
 The loss is the mean cross-entropy per byte (nats); the metric
 ``bits_per_byte`` is that loss over ln 2.
 
@@ -39,10 +44,20 @@ VOCAB_SIZE = 256  # bytes
 HELD_OUT_EVERY = 10  # file i is held out when i % 10 == 9
 # Model and run sizes that train in a few minutes on 2 CPU cores (README: Examples).
 MODEL = {"seq_len": 128, "dim": 128, "num_heads": 4, "num_layers": 2, "mlp_ratio": 4}
-LEARNING_RATE, WARMUP_STEPS, WEIGHT_DECAY, CLIP_NORM = 3e-3, 50, 0.1, 1.0
+WARMUP_STEPS, WEIGHT_DECAY, CLIP_NORM = 50, 0.1, 1.0
 DEFAULTS = {"batch_size": 16, "max_steps": 600, "steps_per_loop": 50, "loop": "scan"}
 # Corpus slices: the first bytes of the sorted training and held-out files.
 TRAIN_BYTES, HELD_OUT_BYTES = 4_000_000, 65_536
+# The hyper-parameters: `estimax train --example lm --set dim=256` overrides one. `decay_steps`: the
+# cosine schedule's length (the CLI's default max_steps); `data_dir`: "" reads the standard library.
+params = {
+    **MODEL,
+    "learning_rate": 3e-3,
+    "decay_steps": DEFAULTS["max_steps"],
+    "data_dir": "",
+    "train_bytes": TRAIN_BYTES,
+    "held_out_bytes": HELD_OUT_BYTES,
+}
 
 # Megatron-style tensor parallelism over the "model" axis: `(regex, spec)`, full match on the path.
 SHARDING_RULES = [
@@ -117,8 +132,11 @@ class Transformer(nnx.Module):
         return self.head(self.norm(x))
 
 
-def build_model(rngs: nnx.Rngs, params: dict) -> Transformer:
+def model(rngs: nnx.Rngs, params: dict) -> Transformer:
     return Transformer(**{k: params.get(k, v) for k, v in MODEL.items()}, rngs=rngs)
+
+
+build_model = model
 
 
 def model_fn(model, features, labels, mode, params) -> ex.Spec:
@@ -134,27 +152,33 @@ def prediction_record(row) -> dict:
     return {"next_byte": row["next_byte"].item()}
 
 
-def optimizer(max_steps: int = DEFAULTS["max_steps"]) -> optax.GradientTransformation:
-    """AdamW, clipped, with a linear warm-up and a cosine decay to a tenth at ``max_steps`` (then constant)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, LEARNING_RATE, WARMUP_STEPS, max(max_steps, WARMUP_STEPS + 1), end_value=LEARNING_RATE / 10
-    )
+def optimizer(params: dict = params) -> optax.GradientTransformation:
+    """AdamW, clipped, with a linear warm-up and a cosine decay to a tenth over ``decay_steps`` (then constant)."""
+    peak, decay_steps = params["learning_rate"], max(params["decay_steps"], WARMUP_STEPS + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak, WARMUP_STEPS, decay_steps, end_value=peak / 10)
     # inject_hyperparams exposes the learning rate, so the engine logs it every step.
     adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b2=0.95, weight_decay=WEIGHT_DECAY)
     return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
 
 
-def estimator(config: ex.RunConfig, max_steps: int = DEFAULTS["max_steps"], **model) -> ex.Estimator:
-    """``model``: overrides of ``MODEL`` (``seq_len``, ``dim``, ``num_heads``, ``num_layers``, ``mlp_ratio``).
+def estimator(config: ex.RunConfig, **overrides) -> ex.Estimator:
+    """This task's Estimator under ``config``, for use from Python; ``overrides`` update ``params``.
 
     On a mesh with a ``model`` axis and no rules of the user's, ``SHARDING_RULES``
     apply (and an ``fsdp`` axis adds FSDP on the other dimension of each kernel).
     """
     if config.mesh and "model" in config.mesh and not config.sharding_rules:
         config = dataclasses.replace(config, sharding_rules=SHARDING_RULES)
-    return ex.Estimator(
-        model=build_model, model_fn=model_fn, optimizer=optimizer(max_steps), config=config, params={**MODEL, **model}
-    )
+    hparams = {**params, **overrides}
+    return ex.Estimator(model=model, model_fn=model_fn, optimizer=optimizer(hparams), config=config, params=hparams)
+
+
+def train_input(params: dict) -> ex.data.ArrayDataset:
+    return windows(_files(params)[0], params["seq_len"], params["train_bytes"])
+
+
+def eval_input(params: dict) -> ex.data.ArrayDataset:
+    return windows(_files(params)[1], params["seq_len"], params["held_out_bytes"])
 
 
 # -- the corpus ------------------------------------------------------------------------------
@@ -199,19 +223,20 @@ def windows(files: list[str], seq_len: int, max_bytes: int) -> ex.data.ArrayData
     return ex.data.from_arrays({"bytes": inputs}, targets)
 
 
-def load(
-    data_dir: str | None = None,
-    seq_len: int = MODEL["seq_len"],
-    train_bytes: int = TRAIN_BYTES,
-    held_out_bytes: int = HELD_OUT_BYTES,
-) -> tuple[ex.data.ArrayDataset, ex.data.ArrayDataset]:
-    """(train, held-out) windows; one file in ten is held out (the standard library, or ``data_dir``)."""
-    files = stdlib_files() if data_dir is None else text_files(data_dir)
+def _files(params: dict) -> tuple[list[str], list[str]]:
+    """(training files, held-out files): one file in ten is held out (the standard library, or ``data_dir``)."""
+    files = text_files(params["data_dir"]) if params.get("data_dir") else stdlib_files()
     if len(files) < HELD_OUT_EVERY:
         raise ValueError(f"lm: {len(files)} files; expected at least {HELD_OUT_EVERY} (one in ten is held out).")
     held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
-    return windows(train, seq_len, train_bytes), windows(held_out, seq_len, held_out_bytes)
+    return train, held_out
+
+
+def load(data_dir: str = "", **overrides) -> tuple[ex.data.ArrayDataset, ex.data.ArrayDataset]:
+    """(train, held-out) windows; ``overrides`` update ``params`` (``seq_len``, ``train_bytes``, ...)."""
+    hparams = {**params, "data_dir": data_dir, **overrides}
+    return train_input(hparams), eval_input(hparams)
 
 
 if __name__ == "__main__":
