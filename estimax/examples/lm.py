@@ -136,7 +136,7 @@ def model(rngs: nnx.Rngs, params: dict) -> Transformer:
     return Transformer(**{k: params.get(k, v) for k, v in MODEL.items()}, rngs=rngs)
 
 
-build_model = model
+build_model = model  # the name the other examples expose too
 
 
 def model_fn(model, features, labels, mode, params) -> ex.Spec:
