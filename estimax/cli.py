@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train, then evaluate the held-out split"),
         ("evaluate", "evaluate the latest checkpoint on the held-out split"),
         ("predict", "predict the held-out split with the latest checkpoint"),
+        ("export", "write a checkpoint as a self-contained artifact (estimax serve, estimax.serving.load)"),
     ):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument(
@@ -64,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--quiet", action="store_true", help="no progress bar and no train log lines")
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: stdout summary)")
+        if name == "export":
+            sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
+            sub.add_argument("--checkpoint", help="STEP of the model dir or a checkpoint PATH (default: the latest)")
         group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
         group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
         group.add_argument("--num-processes", type=int, help="processes in the group (ESTIMAX_NUM_PROCESSES)")
@@ -74,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
         usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
     )
     _launch_arguments(launch)
+    from estimax import server
+
+    server.add_arguments(commands.add_parser("serve", help="serve an exported model over TF Serving's REST API"))
     return parser
 
 
@@ -112,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":  # the artifact only: no example, no model code, no Flax
+        from estimax import server
+
+        return server.main(args)
     if args.data == "mnist":
         args.example = "mnist"
     if args.example == "mnist" and not args.data_dir:
@@ -164,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
             f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
         )
+    elif args.command == "export":
+        checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
+        if checkpoint is None and estimator.step == 0:
+            print(f"No checkpoint in {model_dir}: run `estimax train` first.", file=sys.stderr)
+            return 2
+        print(estimator.export(args.output, checkpoint=checkpoint, example_features=held_out))
     elif args.command == "evaluate":
         if estimator.step == 0:
             print(f"No checkpoint in {model_dir}: run `estimax train` first.", file=sys.stderr)
