@@ -79,6 +79,7 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
         "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version(), "estimax": _estimax_version()},
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(path))
     try:
         with open(os.path.join(staging, PROGRAM), "wb") as f:

@@ -32,6 +32,7 @@ DEFAULT_BATCH_TIMEOUT_MS = 2.0
 DEFAULT_MAX_BODY_MB = 64
 DRAIN_SECONDS = 30.0
 SIGNATURE_NAME = "serving_default"
+_TF_DTYPES = {"float32": "DT_FLOAT", "float64": "DT_DOUBLE", "float16": "DT_HALF"}  # the others match TF's names
 _ROUTE = re.compile(r"^(?P<name>[^/:]+)(?:/versions/(?P<version>\d+))?(?::(?P<verb>[a-z]+)|/(?P<metadata>metadata))?$")
 
 
@@ -202,7 +203,7 @@ class Handler:
         def tensors(entries):
             return {
                 k: {
-                    "dtype": "DT_" + v["dtype"].upper(),
+                    "dtype": _TF_DTYPES.get(v["dtype"], "DT_" + v["dtype"].upper()),
                     "tensor_shape": {"dim": [{"size": str(d if isinstance(d, int) else -1)} for d in v["shape"]]},
                     "name": k,
                 }
