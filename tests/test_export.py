@@ -28,7 +28,7 @@ from estimax import serving
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = "exported_model_under_test"
-MODEL_SOURCE = '''
+MODEL_SOURCE = """
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -54,7 +54,7 @@ def model_fn(model, features, labels, mode, params):
     if mode == ex.PREDICT:
         return ex.Spec(predictions={"logits": logits, "class": logits.argmax(-1)})
     return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))
-'''
+"""
 
 
 def _features(n, seed=0):
@@ -154,7 +154,10 @@ def test_artifact_layout_and_signature(trained):
     signature = json.load(open(os.path.join(path, export_lib.SIGNATURE)))
     assert signature["platforms"] == ["cpu", "cuda", "tpu"]
     assert signature["step"] == 10 and signature["nr_devices"] == 1
-    assert signature["inputs"] == {"x": {"dtype": "float32", "shape": ["b", 6]}, "shift": {"dtype": "int32", "shape": ["b"]}}
+    assert signature["inputs"] == {
+        "x": {"dtype": "float32", "shape": ["b", 6]},
+        "shift": {"dtype": "int32", "shape": ["b"]},
+    }
     assert signature["outputs"]["logits"] == {"dtype": "float32", "shape": ["b", 3]}
     assert {"l1/kernel", "bn/mean", "bn/var", "bn/scale", "l2/bias"} <= set(signature["param_arrays"])
     assert set(signature["versions"]) == {"jax", "jaxlib", "estimax"}
@@ -259,7 +262,9 @@ def test_truncated_program_is_an_error_naming_the_file(artifact_copy):
 
 def test_altered_params_are_an_error_naming_the_array(artifact_copy):
     params = os.path.join(artifact_copy, export_lib.PARAMS)
-    arrays = serving._read_params(params, json.load(open(os.path.join(artifact_copy, "signature.json")))["param_arrays"])
+    arrays = serving._read_params(
+        params, json.load(open(os.path.join(artifact_copy, "signature.json")))["param_arrays"]
+    )
     arrays["bn/mean"] = arrays["bn/mean"] + 1
     shutil.rmtree(params)
     export_lib.save_params(params, arrays)
