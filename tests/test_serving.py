@@ -220,7 +220,7 @@ def test_one_input_one_output_rows_are_plain_values(tmp_path_factory):
 
 def test_sigterm_answers_the_requests_in_flight_and_exits_0(artifact):
     # A long batching wait keeps every request in flight when the signal arrives.
-    server = Server(artifact, "--batch-timeout-ms", "3000", "--max-batch-size", "100000")
+    server = Server(artifact, "--batch-timeout-ms", "3000", "--max-batch-size", "1000", "--no-calibration")
     connections = []
     for i in range(6):
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
