@@ -55,9 +55,9 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
             "or `Estimator(...).export(path)` with the same model_dir."
         )
     path = os.path.abspath(os.fspath(path))
-    _check_target(path)
-    inputs = _named(features, SINGLE_INPUT, "features")
-    arrays, program_fn, single_output = _flat_program(core, state, isinstance(features, dict))
+    check_target(path)
+    inputs = named(features, SINGLE_INPUT, "features")
+    arrays, program_fn, single_output = flat_program(core, state, isinstance(features, dict))
     exported = _trace(core.model_fn, program_fn, arrays, inputs, platforms)
     outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
     program = exported.serialize()
@@ -79,16 +79,25 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
         "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version(), "estimax": _estimax_version()},
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+
+    def write(directory: str) -> None:
+        with open(os.path.join(directory, PROGRAM), "wb") as f:
+            f.write(program)
+        save_params(os.path.join(directory, PARAMS), arrays)
+        with open(os.path.join(directory, SIGNATURE), "w") as f:
+            json.dump(signature, f, indent=1)
+
+    return publish(path, write)
+
+
+def publish(path: str, write) -> str:
+    """``write(directory)`` into a new directory that then replaces ``path`` at once (no half artifact)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(path))
     try:
-        with open(os.path.join(staging, PROGRAM), "wb") as f:
-            f.write(program)
-        save_params(os.path.join(staging, PARAMS), arrays)
-        with open(os.path.join(staging, SIGNATURE), "w") as f:
-            json.dump(signature, f, indent=1)
+        write(staging)
         if os.path.isdir(path):
-            shutil.rmtree(path)  # an earlier artifact (_check_target refused anything else)
+            shutil.rmtree(path)  # an earlier export (check_target refused anything else)
         os.rename(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -107,8 +116,10 @@ def array_sha256(x) -> str:
     return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
 
 
-def _check_target(path: str) -> None:
-    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(os.path.join(path, SIGNATURE)):
+def check_target(path: str) -> None:
+    """Raises unless ``path`` is new, empty, or an earlier export (which is replaced)."""
+    earlier = any(os.path.exists(os.path.join(path, name)) for name in (SIGNATURE, "saved_model.pb"))
+    if os.path.isdir(path) and os.listdir(path) and not earlier:
         raise ValueError(
             f"export() target {path} is a non-empty directory that is not an estimax export; expected a new "
             "path or an earlier export to replace. Fix: choose another path, e.g. exports/<model>/<step>."
@@ -117,7 +128,7 @@ def _check_target(path: str) -> None:
         raise ValueError(f"export() target {path} is a file; expected a directory path.")
 
 
-def _named(tree, single_name: str, what: str) -> dict:
+def named(tree, single_name: str, what: str) -> dict:
     """A dict name -> leaf of a dict of leaves, or ``{single_name: leaf}``; raises on deeper trees."""
     if not isinstance(tree, dict):
         tree = {single_name: tree}
@@ -130,7 +141,7 @@ def _named(tree, single_name: str, what: str) -> dict:
     return tree
 
 
-def _flat_program(core, state, dict_input: bool):
+def flat_program(core, state, dict_input: bool):
     """``(arrays, fn, single_output)``: the parameters and model state as host arrays by flat
     name; ``fn(arrays, inputs) -> outputs``, which rebuilds the trees and runs
     ``core.predictions``; and a list that holds, once traced, whether predictions are one array."""
@@ -151,7 +162,7 @@ def _flat_program(core, state, dict_input: bool):
         features = inputs if dict_input else inputs[SINGLE_INPUT]
         predictions = core.predictions(params, model_state, (features, None))
         single_output[0] = not isinstance(predictions, dict)
-        return _named(predictions, SINGLE_OUTPUT, "predictions")
+        return named(predictions, SINGLE_OUTPUT, "predictions")
 
     return arrays, program, single_output
 
