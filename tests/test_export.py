@@ -8,6 +8,7 @@ with ``estimax.serving`` and must reproduce ``est.predict()``.
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -323,3 +324,31 @@ def test_cli_export_of_the_digits_example(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == output
     model = serving.load(str(tmp_path / "exports" / "digits"))
     assert model.step == 2 and model.signature["inputs"] == {"image": {"dtype": "float32", "shape": ["b", 8, 8]}}
+
+
+def test_random_numbers_in_predict_mode_are_refused(tmp_path):
+    import optax
+    from flax import nnx
+
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.dense, self.rngs = nnx.Linear(3, 2, rngs=rngs), rngs
+
+        def __call__(self, x):
+            return self.dense(x) + jax.random.normal(self.rngs.noise(), (x.shape[0], 2))
+
+    def noisy_model_fn(model, features, labels, mode, params):
+        return ex.Spec(predictions=model(features))
+
+    est = ex.Estimator(lambda rngs, params: Noisy(nnx.Rngs(0, noise=1)), noisy_model_fn, optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"noisy_model_fn draws random numbers in PREDICT mode.*Fix"):
+        est.export(str(tmp_path / "a"), example_features=np.zeros((2, 3), np.float32))
+    assert not os.path.exists(tmp_path / "a")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is not None, reason="TensorFlow is installed")
+def test_tf_saved_model_without_tensorflow_names_the_extra(trained, tmp_path):
+    with pytest.raises(ImportError, match=r"format='tf_saved_model'\) needs TensorFlow.*pip install 'estimax\[tf\]'"):
+        trained[0].export(str(tmp_path / "tf"), format="tf_saved_model")
+    with pytest.raises(ValueError, match=r"export\(format='onnx'\); expected 'jax'"):
+        trained[0].export(str(tmp_path / "tf"), format="onnx")
