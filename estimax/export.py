@@ -20,6 +20,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -85,7 +86,7 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
             f.write(program)
         save_params(os.path.join(directory, PARAMS), arrays)
         with open(os.path.join(directory, SIGNATURE), "w") as f:
-            json.dump(signature, f, indent=1)
+            f.write(_readable_json(signature))
 
     return publish(path, write)
 
@@ -197,6 +198,12 @@ def _trace(model_fn, program_fn, arrays: dict, inputs: dict, platforms):
             "deterministic (dropout and sampling off outside TRAIN)."
         )
     return exported
+
+
+def _readable_json(value) -> str:
+    """Indented JSON with each list of numbers or strings (shapes, platforms) on one line."""
+    text = json.dumps(value, indent=1)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text) + "\n"
 
 
 def _describe(shape, dtype) -> dict:

@@ -20,7 +20,6 @@ import warnings
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
@@ -169,15 +168,19 @@ def test_artifact_layout_and_signature(trained):
     assert program_bytes < param_bytes / 10, (program_bytes, param_bytes)  # parameters are arguments
 
 
-def test_a_sharded_state_exports_whole_arrays(trained, tmp_path):
-    est, path, inputs, expected = trained
-    state = est._ensure_state()
-    shard = NamedSharding(est.mesh, P("data"))
-    sharded = state._replace(
-        params=jax.tree.map(lambda x: jax.device_put(x, shard) if x.shape and x.shape[0] % 8 == 0 else x, state.params)
+def test_a_sharded_model_exports_whole_arrays(trained, tmp_path):
+    """The same checkpoint restored with FSDP and tensor-parallel shardings gives the same artifact."""
+    est, path, inputs, _ = trained
+    config = dataclasses.replace(
+        est.config,
+        mesh={"data": 2, "fsdp": 2, "model": 2},
+        sharding_rules=[(r"hidden/kernel", (None, "model"))],
+        fsdp_min_bytes=0,
     )
-    assert not jax.tree.leaves(sharded.params)[0].sharding.is_fully_replicated
-    out = serving.load(export_lib.export(est._core, sharded, str(tmp_path / "sharded"), est._feature_spec))(inputs)
+    sharded = ex.Estimator(est._core.adapter._factory, est._core.model_fn, est._core.optimizer, config=config)
+    kernel = sharded._ensure_state().params["hidden"]["kernel"].get_value()
+    assert kernel.sharding.spec == P("fsdp", "model")
+    out = serving.load(sharded.export(str(tmp_path / "sharded"), example_features=inputs))(inputs)
     np.testing.assert_array_equal(out["logits"], serving.load(path)(inputs)["logits"])
 
 
