@@ -324,9 +324,8 @@ class Estimator:
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
-        with feed.Prefetch(
-            self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
-        ) as device_batches:
+        device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
             totals = self._evaluator().totals(state, device_batches, should_stop)
         if totals is None:
             if should_stop is not None and should_stop():
@@ -355,9 +354,8 @@ class Estimator:
         rows = _gathered_rows if gather and jax.process_count() > 1 else _rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending = None
-        with feed.Prefetch(
-            self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
-        ) as device_batches:
+        device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
             for db in device_batches:
                 predictions = predict(state, db.batch)
                 if pending is not None:
@@ -383,12 +381,13 @@ class Estimator:
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
         size. ``checkpoint``: a step of model_dir or a checkpoint path;
-        default: the current state (the latest checkpoint). ``example_features``:
-        a batch of features (arrays or ``ShapeDtypeStruct``s, any batch size)
-        giving each feature's shape and dtype; default: those of the last
-        input this Estimator trained, evaluated or predicted on.
-        ``format="tf_saved_model"``: a TensorFlow SavedModel instead
-        (needs ``pip install estimax[tf]``).
+        default: the current state (the latest checkpoint).
+        ``example_features``: a batch of features (arrays or
+        ``ShapeDtypeStruct``s, any batch size) or an ``ex.data.from_arrays``
+        dataset, giving each feature's shape and dtype; default: those of the
+        last input this Estimator trained, evaluated or predicted on.
+        ``format="tf_saved_model"``: a TensorFlow SavedModel instead (needs
+        ``pip install 'estimax[tf]'``).
         """
         if format not in ("jax", "tf_saved_model"):
             raise ValueError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")

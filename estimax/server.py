@@ -157,7 +157,7 @@ def calibrate(model, max_batch: int) -> int:
         if size >= max_batch:
             break
         size = min(size * 2, max_batch)
-    logger.info("Calibrated: %d rows per call (%.0f rows/s)", best, best_rate)
+    print(f"Calibrated batch sizes 1 to {max_batch}: {best} rows per call ({best_rate:.0f} rows/s)", file=sys.stderr)
     return best
 
 
