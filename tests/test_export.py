@@ -196,6 +196,18 @@ def test_example_features_and_a_clear_error_without_them(trained, tmp_path):
     np.testing.assert_array_equal(serving.load(path)(inputs)["class"], expected["class"])
 
 
+def test_an_earlier_export_is_replaced_and_nothing_else(trained, tmp_path):
+    est = trained[0]
+    target = str(tmp_path / "a")
+    assert est.export(target) == target and est.export(target) == target
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # no staging directory left behind
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"b is a non-empty directory that is not an estimax export.*Fix"):
+        est.export(str(tmp_path / "b"))
+    assert (tmp_path / "b" / "notes.txt").read_text() == "mine"
+
+
 def test_branching_on_the_batch_size_is_a_clear_error(tmp_path):
     import optax
     from flax import nnx
