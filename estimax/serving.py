@@ -17,7 +17,7 @@ import warnings
 import jax
 import numpy as np
 
-from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_INPUT, SINGLE_OUTPUT, array_sha256
+from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
 # exporter. JAX releases a minor version about every two months, with patch releases within it, so
@@ -270,4 +270,4 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-__all__ = ["SINGLE_INPUT", "ArtifactError", "ExportedModel", "load"]
+__all__ = ["ArtifactError", "ExportedModel", "load"]

@@ -18,6 +18,7 @@ import textwrap
 import warnings
 
 import jax
+import jaxlib
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -320,7 +321,11 @@ def test_a_jaxlib_outside_the_window_warns(artifact_copy):
     json.dump(signature, open(file, "w"))
     with pytest.warns(RuntimeWarning, match=r"exported with jaxlib 0.4.30; this is jaxlib .*newer than jax.export"):
         serving.load(artifact_copy)
-    signature["versions"]["jaxlib"] = jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__
+    signature["versions"]["jaxlib"] = "99.0.0"
+    json.dump(signature, open(file, "w"))
+    with pytest.warns(RuntimeWarning, match=r"exported with jaxlib 99.0.0; this is jaxlib .*older than jax.export"):
+        serving.load(artifact_copy)
+    signature["versions"]["jaxlib"] = jaxlib.__version__
     json.dump(signature, open(file, "w"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
