@@ -252,3 +252,10 @@ def test_missing_artifact_is_a_clear_error(tmp_path):
         env=env,
     )
     assert result.returncode == 2 and "is not a directory; expected the directory written by" in result.stderr
+
+
+def test_without_aiohttp_the_extra_is_named(artifact):
+    blocked = "import sys; sys.modules['aiohttp'] = None; from estimax import cli; sys.exit(cli.main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    result = subprocess.run([sys.executable, "-c", blocked, "serve", artifact], capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "pip install 'estimax[serve]'" in result.stderr
