@@ -21,8 +21,10 @@ import re
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported only to serve: `estimax --help` stays light
+    import numpy as np
 
 logger = logging.getLogger("estimax.server")
 
@@ -144,7 +146,7 @@ def calibrate(model, max_batch: int) -> int:
     """
     best, best_rate, size = 1, 0.0, 1
     while True:
-        batch = {k: np.zeros((size, *s.trailing), s.dtype) for k, s in model.inputs.items()}
+        batch = {k: _empty(size, s) for k, s in model.inputs.items()}
         model.run(batch)  # compiles
         seconds = []
         for _ in range(CALIBRATION_REPEATS):
@@ -287,7 +289,7 @@ def parse_request(body: bytes, model) -> tuple[dict, bool]:
     if not isinstance(instances, list):
         raise RequestError(f"'instances' is {type(instances).__name__}; expected a list, one entry per example.")
     if not instances:
-        return {k: np.zeros((0, *s.trailing), s.dtype) for k, s in model.inputs.items()}, True
+        return {k: _empty(0, s) for k, s in model.inputs.items()}, True
     if not all(isinstance(row, dict) for row in instances):
         if len(names) != 1:
             raise RequestError(f"'instances' holds values; this model takes {names}: expected one object per example.")
@@ -366,6 +368,8 @@ class Batcher:
                 start += count
 
     def _run(self, parts: list[dict], rows: int) -> dict[str, np.ndarray]:
+        import numpy as np
+
         if len(parts) == 1 and (rows == 0 or self.max_batch == 1):
             return self.model.run(parts[0])
         padded = rows if rows > self.max_batch else min(1 << (rows - 1).bit_length(), self.max_batch)
@@ -376,6 +380,13 @@ class Batcher:
             for k in parts[0]
         }
         return {k: v[:rows] for k, v in self.model.run(joined).items()}
+
+
+def _empty(rows: int, spec):
+    """Zeros of one input: ``rows`` examples of its trailing shape and dtype."""
+    import numpy as np
+
+    return np.zeros((rows, *spec.trailing), spec.dtype)
 
 
 def _rows(prepared: dict) -> int:
