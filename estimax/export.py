@@ -109,8 +109,7 @@ def publish(path: str, write) -> str:
 def save_params(directory: str, arrays: dict[str, np.ndarray]) -> None:
     import orbax.checkpoint as ocp
 
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory, arrays)
+    ocp.PyTreeCheckpointer().save(directory, arrays)  # synchronous: no background thread outlives it
 
 
 def array_sha256(x) -> str:

@@ -207,8 +207,7 @@ def _read_params(directory: str, expected: dict) -> dict[str, np.ndarray]:
     import orbax.checkpoint as ocp
 
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            arrays = checkpointer.restore(directory)
+        arrays = ocp.PyTreeCheckpointer().restore(directory)  # no target: numpy arrays
     except Exception as error:  # truncated tensorstore files, missing metadata
         first = (str(error).strip().splitlines() or [""])[0]
         raise ArtifactError(
