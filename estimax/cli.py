@@ -24,9 +24,9 @@ import argparse
 import dataclasses
 import sys
 
-EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
+EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
-TASK_COMMANDS = ("train", "evaluate", "predict")  # the commands that take a task
+TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 
@@ -95,6 +95,7 @@ RUN_FLAGS = (
     RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
     RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
     RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
+    RunFlag("--grad-accum", "grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN),
     RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
     RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
@@ -109,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train, then evaluate the held-out input"),
         ("evaluate", "evaluate the latest checkpoint on the held-out input"),
         ("predict", "predict the held-out input with the latest checkpoint"),
+        ("export", "write a checkpoint as a self-contained artifact (estimax serve, estimax.serving.load)"),
     ):
         sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}")
         add_task_arguments(sub, name)
@@ -117,12 +119,18 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: a summary)")
+        if name == "export":
+            sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
+            sub.add_argument("--checkpoint", help="STEP of the model dir or a checkpoint PATH (default: the latest)")
     launch = commands.add_parser(
         "launch",
         help="run a command as N processes on this machine, restarting the group on failure",
         usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
     )
     _launch_arguments(launch)
+    from estimax import server
+
+    server.add_arguments(commands.add_parser("serve", help="serve an exported model over TF Serving's REST API"))
     return parser
 
 
@@ -131,7 +139,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     sub.add_argument("task", nargs="?", help="a task module (my_project.task) or .py file (default: --example)")
     sub.add_argument("--example", choices=EXAMPLES, help="a bundled task (default: digits)")
     sub.add_argument("--data", choices=("digits", "mnist"), help="--data mnist is --example mnist")
-    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist)")
+    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist, lm)")
     sub.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", type=_assignment, help="override params[NAME]"
     )
@@ -212,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":  # the artifact only: no task, no model code, no Flax
+        from estimax import server
+
+        return server.main(args)
     check_arguments(args)
     try:
         from estimax import commands
