@@ -30,7 +30,8 @@ class BatchChecker:
         self._last = None  # (treedef, ((shape, dtype), ...)) of the previous batch, rows included
 
     def __call__(self, batch) -> Any:
-        return jax.tree.unflatten(*reversed(self.flatten(batch)))
+        leaves, treedef = self.flatten(batch)
+        return jax.tree.unflatten(treedef, leaves)
 
     def flatten(self, batch) -> tuple[list[np.ndarray], Any]:
         """``(leaves, treedef)`` of a checked batch, as numpy arrays."""

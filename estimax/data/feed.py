@@ -230,15 +230,6 @@ def eval_device_batches(batches: Iterator, mesh, global_batch_size: int) -> Iter
         yield DeviceBatch(on_mesh[0], on_mesh[1], rows, rows < host_size)
 
 
-def _take(iterator: Iterator, n: int) -> list:
-    out = []
-    for item in iterator:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
-
-
 class Prefetch:
     """Runs an iterator on a background thread, ``depth`` items ahead of the consumer.
 
