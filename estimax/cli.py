@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
             "--batch-size", type=int, help="global batch size (default: 128; 1024 for lstm and time_distributed)"
         )
         sub.add_argument("--seed", type=int, default=0, help="initialisation, dropout and shuffling seed")
+        sub.add_argument("--mesh", help="device mesh, e.g. data=4,model=2 (-1: the rest; default: data over all)")
+        sub.add_argument("--fsdp", type=int, help="shard parameters and optimizer state over N devices (FSDP)")
         if name == "train":
             sub.add_argument("--max-steps", type=int, help="train until this step (default: 400; 10 for lstm, ...)")
             sub.add_argument(
@@ -129,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     import estimax as ex
+    from estimax.layout import parse_mesh
+
+    try:
+        mesh = parse_mesh(args.mesh, args.fsdp)
+    except ValueError as error:
+        parser.error(str(error))
 
     first = jax.process_index() == 0  # process 0 speaks for the group
     example = importlib.import_module(f"estimax.examples.{args.example}")
@@ -146,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         loop=given_or_default("loop", "loop"),
         quiet=getattr(args, "quiet", False),
         profile_steps=profile_steps,
+        mesh=mesh,
     )
     estimator = example.estimator(config)
     train, held_out = example.load(args.data_dir) if args.example == "mnist" else example.load()
