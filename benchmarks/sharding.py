@@ -186,15 +186,13 @@ def main():
         print(json.dumps({"model": name, **row}))
     num_params = sum(x.size for x in jax.tree.leaves(estimators[base["layout"]].state_shapes().params))
     print(f"\nmodel: {name}, {num_params:,} parameters, Adam, global batch {args.batch}; under load: ratios only")
-    print(
-        "| layout | state / device | x (replicated / 8) | step args / device | step temp / device | steps/s (ratio) |"
-    )
+    print("| layout | state / device | ÷ (replicated / 8) | step arguments | step temporaries | steps/s ratio |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['layout']} | {format_bytes(row['state_bytes_per_device'])} | {row['state_vs_replicated_over_8']} "
             f"| {format_bytes(row['step_argument_bytes'])} | {format_bytes(row['step_temp_bytes'])} "
-            f"| {row['steps_per_s']} ({row['speed_vs_replicated']}) |"
+            f"| {row['speed_vs_replicated']} |"
         )
 
 

@@ -232,9 +232,9 @@ def _param_specs(mesh, params, rules, used, fsdp_min_bytes) -> tuple[list[P], li
         spec = spec or (None,) * len(leaf.shape)
         if fsdp > 1 and _nbytes(leaf) >= fsdp_min_bytes and not _uses(spec, mesh_lib.FSDP_AXIS):
             sharded = _with_fsdp(spec, leaf.shape, fsdp)
-            if sharded is None:
+            if sharded is None and source is None:
                 undivided.append(f"{name} {tuple(leaf.shape)}")
-            else:
+            elif sharded is not None:
                 spec, source = sharded, "fsdp" if source is None else f"{source} + fsdp"
         specs.append(_partition_spec(spec))
         sources.append(source or "replicated")
