@@ -422,3 +422,29 @@ def test_a_sharded_run_killed_and_resumed_is_bitwise_identical(tmp_path):
     a, b = final(reference), final(killed)
     for k in a:
         np.testing.assert_array_equal(b[k], a[k])
+
+
+def test_an_optimizer_whose_init_needs_real_parameters_is_matched_by_path_and_shape():
+    def init(params):  # indexes the parameters: cannot run on optax's placeholders
+        return {"trace": jax.tree.map(jnp.zeros_like, params), "first_kernel": jnp.zeros_like(params["l1"]["kernel"])}
+
+    def update(grads, state, params=None):
+        trace = jax.tree.map(lambda t, g: 0.9 * t + g, state["trace"], grads)
+        return jax.tree.map(lambda t: -0.1 * t, trace), {**state, "trace": trace}
+
+    est = mlp_estimator(optimizer=optax.GradientTransformation(init, update), **MLP_LAYOUT)
+    est.train(ex.data.from_arrays(*blobs(64)), max_steps=2)
+    state = est._ensure_state()
+    kernel = state.params["l1"]["kernel"].get_value().sharding.spec
+    assert kernel == P("fsdp", "model")
+    assert state.opt_state["trace"]["l1"]["kernel"].get_value().sharding.spec == kernel
+    assert state.opt_state["first_kernel"].sharding.spec == P()  # not a parameter's path: replicated
+
+
+def test_a_bad_mesh_on_the_command_line_is_a_usage_error(capsys):
+    from estimax import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--example", "digits", "--mesh", "data4"])
+    assert exit_info.value.code == 2
+    assert "--mesh 'data4': 'data4' is not name=size; expected e.g. --mesh data=4,model=2" in capsys.readouterr().err
