@@ -48,7 +48,8 @@ DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, sma
 def parse_mesh(text: str | None, fsdp: int | None = None) -> dict[str, int] | None:
     """``"data=4,model=2"`` (and ``--fsdp N``) as ``RunConfig(mesh=...)``; ``None`` if neither is given.
 
-    ``fsdp`` alone means ``{"data": -1, "fsdp": fsdp}``.
+    ``fsdp`` alone means ``{"data": -1, "fsdp": fsdp}``; with a mesh that has
+    neither ``data`` nor a ``-1`` axis, ``data`` takes the rest.
     """
     if not text and fsdp is None:
         return None
@@ -60,7 +61,7 @@ def parse_mesh(text: str | None, fsdp: int | None = None) -> dict[str, int] | No
         axes[name.strip()] = int(size)
     if fsdp is not None:
         axes[mesh_lib.FSDP_AXIS] = fsdp
-        if not text:
+        if mesh_lib.DATA_AXIS not in axes and -1 not in axes.values():
             axes = {mesh_lib.DATA_AXIS: -1, **axes}
     return axes
 

@@ -178,6 +178,7 @@ def test_minus_one_takes_the_rest_and_axes_are_laid_out_data_fsdp_then_model():
     assert layout_lib.parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
     assert layout_lib.parse_mesh(None, fsdp=8) == {"data": -1, "fsdp": 8}
     assert layout_lib.parse_mesh("data=2,model=2", fsdp=2) == {"data": 2, "model": 2, "fsdp": 2}
+    assert layout_lib.parse_mesh("model=2", fsdp=2) == {"data": -1, "model": 2, "fsdp": 2}
     assert layout_lib.parse_mesh(None) is None
 
 
