@@ -1,6 +1,6 @@
 """One process of a multi-process run, for tests/test_distributed.py.
 
-`python tests/multihost_job.py MODEL_DIR OUT_DIR [train|evaluate] [MAX_STEPS] [SECONDS_PER_LOOP] [adam|fsdp]`
+`python tests/multihost_job.py MODEL_DIR OUT_DIR [train|evaluate] [MAX_STEPS] [SECONDS_PER_LOOP] [adam|fsdp|tp]`
 
 Joins the group from the ESTIMAX_* variables (a no-op with none: one
 process), with the devices JAX_NUM_CPU_DEVICES gives. `train` trains the
@@ -10,7 +10,8 @@ tiny MLP to MAX_STEPS (saving every 4 steps), then evaluates and predicts;
 parameters); every process writes OUT_DIR/local-<i>.json (what it predicted
 itself) and OUT_DIR/pid-<i> on start. ``adam`` trains with Adam instead of
 SGD; ``fsdp`` also shards parameters and Adam's state over ``fsdp=8``, which
-spans every process.
+spans every process; ``tp`` shards them by tensor-parallel rules over
+``data=4`` x ``model=2``.
 """
 
 import json
@@ -58,6 +59,9 @@ def main():
     layout = {} if variant is None else {"optimizer": optax.adam(1e-2)}
     if variant == "fsdp":
         layout.update(mesh={"fsdp": 8}, fsdp_min_bytes=0)
+    if variant == "tp":  # l1 column parallel, l2 row parallel, over the 2 devices of "model" in each process
+        rules = [(r"l1/kernel", (None, "model")), (r"l1/bias", ("model",)), (r"l2/kernel", ("model", None))]
+        layout.update(mesh={"data": 4, "model": 2}, sharding_rules=rules)
     process = jax.process_index()
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"pid-{process}"), "w") as f:

@@ -123,6 +123,19 @@ def fsdp_runs(tmp_path_factory):
     return root, _result(root / "one-out"), _result(root / "two-out")
 
 
+def test_tensor_parallel_over_two_processes_matches_fsdp_in_one_process(fsdp_runs, tmp_path):
+    _, one, _ = fsdp_runs
+    _finish(_launcher(str(tmp_path / "run"), str(tmp_path / "out"), "train", "8", "0", "tp"))
+    two = _result(tmp_path / "out")
+    assert two["kernel_spec"] == [None, "model"]
+    assert _max_difference(one["losses"], two["losses"]) <= 1e-5
+    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert two["eval"]["num_examples"] == 203
+    np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)  # gathered, each row once
+    local = [json.load(open(tmp_path / "out" / f"local-{p}.json"))["classes"] for p in range(2)]
+    assert [len(c) for c in local] == [102, 101]  # rows held twice (over "model") are yielded once
+
+
 def test_fsdp_over_two_processes_trains_evaluates_and_predicts_like_one_process(fsdp_runs):
     _, one, two = fsdp_runs
     assert one["kernel_spec"] == two["kernel_spec"] == [None, "fsdp"]  # spans both processes
