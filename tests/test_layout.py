@@ -229,7 +229,7 @@ def test_fsdp_8_holds_an_eighth_of_the_state_per_device():
     assert replicated.sharding_plan().totals["total"] == replicated_bytes == sharded.sharding_plan().replicated_total
 
 
-def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device(caplog):
+def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device():
     est = tiny(**LAYOUTS["data=2,fsdp=2,model=2"])
     plan = est.sharding_plan()
     assert [r.path for r in plan if r.kind == "params"] == leaf_names(est.state_shapes().params)
@@ -238,12 +238,20 @@ def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_
     assert row.bytes_per_device == 32 * 32 * 4 // 4 and row.placed_by == "rule 0 + fsdp"
     assert next(r for r in plan if r.path == "norm1/scale").placed_by == "fsdp"
     assert next(r for r in plan if r.path == "head/bias").placed_by == "replicated"  # 3 does not divide by fsdp=2
+    assert plan.totals["params"] == sum(r.bytes_per_device for r in plan if r.kind == "params")
+    assert plan.totals["total"] == sum(plan.totals[k] for k in ("params", "opt_state", "model_state", "other"))
     text = str(plan)
     assert "attn/query/kernel" in text and "P('fsdp', 'model')" in text and "per device: params" in text
-    with caplog.at_level(logging.INFO, logger="estimax"):
-        est.train(ex.data.from_arrays(*sequences(64)), max_steps=1)
-    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training steps"))
-    assert f"state {layout_lib.format_bytes(plan.totals['total'])} per device" in first
+    est = mlp_estimator(**MLP_LAYOUT)
+    records, handler = [], logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("estimax").addHandler(handler)  # the estimax logger does not propagate to pytest's
+    try:
+        est.train(ex.data.from_arrays(*blobs(64)), max_steps=1)
+    finally:
+        logging.getLogger("estimax").removeHandler(handler)
+    first = next(r.getMessage() for r in records if r.getMessage().startswith("Training steps"))
+    assert f"state {layout_lib.format_bytes(est.sharding_plan().totals['total'])} per device" in first
     assert "mesh data=2 x fsdp=2 x model=2" in first
 
 
