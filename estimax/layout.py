@@ -45,27 +45,6 @@ DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, sma
 # -- settings: checked in RunConfig before anything touches devices ------------------------
 
 
-def parse_mesh(text: str | None, fsdp: int | None = None) -> dict[str, int] | None:
-    """``"data=4,model=2"`` (and ``--fsdp N``) as ``RunConfig(mesh=...)``; ``None`` if neither is given.
-
-    ``fsdp`` alone means ``{"data": -1, "fsdp": fsdp}``; with a mesh that has
-    neither ``data`` nor a ``-1`` axis, ``data`` takes the rest.
-    """
-    if not text and fsdp is None:
-        return None
-    axes: dict[str, int] = {}
-    for item in filter(None, (text or "").split(",")):
-        name, sep, size = item.partition("=")
-        if not sep or not name.strip() or not size.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh {text!r}: {item!r} is not name=size; expected e.g. --mesh data=4,model=2.")
-        axes[name.strip()] = int(size)
-    if fsdp is not None:
-        axes[mesh_lib.FSDP_AXIS] = fsdp
-        if mesh_lib.DATA_AXIS not in axes and -1 not in axes.values():
-            axes = {mesh_lib.DATA_AXIS: -1, **axes}
-    return axes
-
-
 def check_mesh_axes(axes) -> dict[str, int] | None:
     """``RunConfig(mesh=...)`` as a dict, or a ValueError/TypeError naming what is wrong."""
     if axes is None:
