@@ -7,6 +7,7 @@ outputs only after the next one is dispatched, checkpoints and reports.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -154,8 +155,7 @@ class Estimator:
         """
         state = self._state_at(checkpoint)
         # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
-        gather = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree), out_shardings=self.layout.replicated)
-        params, model_state = gather((state.params, state.model_state))
+        params, model_state = _gathered_copy(state.params, state.model_state, self.layout.replicated)
         with jax.set_mesh(self.mesh):
             return self._core.adapter.live(params, model_state)
 
@@ -414,6 +414,11 @@ class Estimator:
         if self._eval_runner is None:
             self._eval_runner = EvalRunner(self._core, self.layout)
         return self._eval_runner
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gathered_copy(params, model_state, replicated):
+    return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
 
 
 def _rows(predictions, num_valid: int) -> Iterator:
