@@ -7,12 +7,13 @@ states them), the compiled train step's ``memory_analysis()`` per device
 one process in interleaved rounds (best of the rounds), with ratios to the
 replicated layout. One JSON line per layout, then a Markdown table.
 
-The model is the LM example (``estimax.examples.lm``: ``build_model``,
-``model_fn``, ``SHARDING_RULES``, ``synthetic_data(num_examples, params)``)
-when it is there, else the small transformer below. On CPU the collectives
-are memory copies: the speed figures are a record, not a target.
+The model is the LM example (``estimax.examples.lm``: its model, model_fn,
+``SHARDING_RULES`` and a slice of its corpus), or with ``--model transformer``
+the slightly wider transformer below (random windows of a source file). On
+CPU the collectives are memory copies: the speed figures are a record, not a
+target.
 
-Run: ``python benchmarks/sharding.py [--steps 20] [--rounds 3]``.
+Run: ``python benchmarks/sharding.py [--model lm|transformer] [--steps 10] [--rounds 3]``.
 """
 
 from __future__ import annotations
@@ -102,16 +103,19 @@ def synthetic_data(num_examples: int, params: dict):
     return ex.data.from_arrays({"tokens": windows[:, :-1]}, windows[:, 1:])
 
 
-def task():
-    """The LM example when it offers what this benchmark needs, else this file's transformer."""
-    try:
+def task(choice: str):
+    """``(name, model factory, model_fn, sharding rules, input)``: the LM example, or this file's transformer."""
+    if choice == "lm":
         lm = importlib.import_module("estimax.examples.lm")
-    except ImportError:
-        lm = None
-    needed = ("build_model", "model_fn", "SHARDING_RULES", "synthetic_data")
-    if lm is not None and all(hasattr(lm, n) for n in needed):
-        return "estimax.examples.lm", lm.build_model, lm.model_fn, list(lm.SHARDING_RULES), lm.synthetic_data
-    return "benchmarks/sharding.py transformer", build_model, model_fn, SHARDING_RULES, synthetic_data
+        hparams = {**lm.params, "train_bytes": 1 << 18}  # a slice of the corpus: windows for a few steps
+        return (
+            "estimax.examples.lm",
+            lambda rngs, params: lm.model(rngs, hparams),
+            lm.model_fn,
+            list(lm.SHARDING_RULES),
+            lm.train_input(hparams),
+        )
+    return "benchmarks/sharding.py transformer", build_model, model_fn, SHARDING_RULES, synthetic_data(256, {})
 
 
 def layouts(rules) -> dict[str, dict]:
@@ -135,10 +139,10 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round and layout")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--model", choices=("lm", "transformer"), default="lm", help="lm: estimax.examples.lm")
     args = parser.parse_args()
     logging.getLogger("estimax").setLevel(logging.WARNING)
-    name, build, fn, rules, data_of = task()
-    data = data_of(args.batch * 8, {})
+    name, build, fn, rules, data = task(args.model)
     estimators = {}
     for label, config in layouts(rules).items():
         estimators[label] = ex.Estimator(
