@@ -20,7 +20,8 @@ import numpy as np
 from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.loop import read_outputs
-from estimax.preemption import Preempted, PreemptionWatch
+from estimax import preemption as preemption_lib
+from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
 
 logger = logging.getLogger("estimax")
@@ -86,14 +87,14 @@ class TrainingLoop:
         ``publish(state, step, input_state)`` is called after every dispatch, so that the
         caller always holds the newest state (also when an error stops training).
         """
-        began, step, previous, stop = time.perf_counter(), info.start_step, None, False
+        began, step, previous, last, stop = time.perf_counter(), info.start_step, None, None, False
         self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
         for hook in self.hooks:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {step})")
         try:
-            with PreemptionWatch() as preemption:
+            with PreemptionWatch(saves=self.checkpointer is not None) as preemption:
                 for chunk in chunks:
                     self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
                     self.profiler.before_loop(step, state)
@@ -107,9 +108,14 @@ class TrainingLoop:
                     current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
                     step = current.step_after
                     publish(state, step, current.input_state)
+                    # A due checkpoint is saved before anything at this boundary can raise (hooks, evaluation).
+                    if self.checkpointer and self.checkpointer.due(current.step_before, step):
+                        if previous is not None:
+                            self._checked(previous)  # a NaN is named at the step where it appeared
+                        self._save(state, current)
                     if previous is not None:
                         stop |= self._after_loop(previous, chunks)
-                    previous = current
+                    previous = last = current
                     self.profiler.after_loop(step, state)
                     if preemption.requested(step, since=current.step_before):
                         break
@@ -121,27 +127,29 @@ class TrainingLoop:
                         stop |= self._after_loop(current, chunks, untimed=True)
                         previous = None
                         stop |= self._evaluate(evaluation, state, current, preemption)
-                    if self.checkpointer and self.checkpointer.due(current.step_before, step):
-                        self._save(state, current)
                     if stop:
                         self.stopped = True
                         break
+            if self.checkpointer and last is not None:
+                self._save(state, last)  # before the final hooks and evaluation, which may raise
             if previous is not None:
                 self._after_loop(previous, chunks, final=True)
             if preemption.signal_name is None and evaluation is not None and not stop:
                 self._evaluate(evaluation, state, previous, preemption, final=True)
             self.profiler.stop(state)
-            if self.checkpointer and previous is not None:
-                self._save(state, previous)
+            if self.checkpointer:
                 timer = time.perf_counter()
                 self.checkpointer.wait()
                 self.seconds["checkpoint"] += time.perf_counter() - timer
             self.seconds["input_wait"] = chunks.wait_seconds
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:
-                preempted = Preempted(step, preemption.signal_name)
-                logger.warning("%s", preempted)
-                raise preempted
+                saved = self.checkpointer is not None and self.checkpointer.latest_step() == step
+                stopped = preemption_lib.stopped(
+                    step, preemption.signal_name, self.checkpointer.directory if saved else None
+                )
+                logger.warning("%s", stopped)
+                raise stopped
             return state, step
         except BaseException:
             if self.checkpointer:

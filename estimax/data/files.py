@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob as glob_lib
 import gzip
 import os
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -26,13 +27,39 @@ class File(NamedTuple):
 
     def open(self):
         handle = self.fs.open(self.path, "rb")
-        return gzip.GzipFile(fileobj=handle) if self.path.endswith(".gz") else handle
+        return _CheckedGzip(self.name, handle) if self.path.endswith(".gz") else handle
 
     def read_range(self, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path, start=start, end=end)
 
     def size(self) -> int:
         return self.fs.size(self.path)
+
+
+class _CheckedGzip(gzip.GzipFile):
+    """A gzip stream whose truncated or corrupt data is a ``ValueError`` naming the file."""
+
+    def __init__(self, display: str, handle):
+        super().__init__(fileobj=handle)
+        self._display = display
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return super().read(size)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise self._error(error) from None
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        try:
+            return super().seek(offset, whence)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise self._error(error) from None
+
+    def _error(self, error: Exception) -> ValueError:
+        return ValueError(
+            f"{self._display}: the compressed file is truncated or corrupt ({type(error).__name__}: {error}); "
+            "expected a complete .gz file. Fix: download or copy it again (`gzip -t FILE` checks it)."
+        )
 
 
 def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]:
