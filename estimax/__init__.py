@@ -3,9 +3,11 @@
 from estimax import data, distributed, models
 from estimax.checkpoint import CheckpointError
 from estimax.config import CheckpointPolicy, RunConfig
-from estimax.estimator import Estimator
+from estimax.diagnose import ModelFnError
+from estimax.estimator import Estimator, UntrainedWarning
 from estimax.hooks import EarlyStopping, Hook
-from estimax.preemption import PREEMPTED_EXIT_CODE, Preempted
+from estimax.lock import ModelDirLocked, ModelDirNotWritable
+from estimax.preemption import PREEMPTED_EXIT_CODE, Interrupted, Preempted
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 from estimax.training import NonFiniteError
@@ -21,12 +23,17 @@ __all__ = [
     "EarlyStopping",
     "Estimator",
     "Hook",
+    "Interrupted",
     "Mode",
+    "ModelDirLocked",
+    "ModelDirNotWritable",
+    "ModelFnError",
     "NonFiniteError",
     "Preempted",
     "RunConfig",
     "Spec",
     "TrainState",
+    "UntrainedWarning",
     "WarmStart",
     "data",
     "distributed",

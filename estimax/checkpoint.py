@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from estimax import noise
 from estimax.config import CheckpointPolicy
 
 logger = logging.getLogger("estimax")
@@ -53,6 +54,7 @@ class Checkpointer:
         best: tuple[str, str] | None = None,
     ):
         """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric."""
+        noise.quiet_libraries()
         self.directory = os.path.abspath(directory)
         self.policy = policy or CheckpointPolicy()
         self.read_only = read_only
@@ -101,7 +103,8 @@ class Checkpointer:
     def close_for_writing(self) -> None:
         """Back to a read-only view (the caller releases the lock): saves in flight complete first."""
         if not self.read_only:
-            self._manager.close()
+            with self._disk_errors():
+                self._manager.close()
             self._manager, self.read_only = self._open(True), True
 
     def refresh(self) -> None:
@@ -136,7 +139,7 @@ class Checkpointer:
         if self.run_meta:
             meta["run"] = self.run_meta
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        with self._disk_errors(step):
+        with self._disk_errors():
             self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()
         if step in self._moved_aside:
@@ -235,20 +238,23 @@ class Checkpointer:
         )
 
     @contextlib.contextmanager
-    def _disk_errors(self, step: int | None):
+    def _disk_errors(self):
         """A full disk or a file-size limit while saving becomes one line naming the directory
         and the last good checkpoint."""
         try:
             yield
         except Exception as error:
-            if not _is_disk_full(error):
+            reason = _disk_full(error)
+            if reason is None:
                 raise
-            good = [s for s in self._manager.all_steps() if s != step]
-            last = f"step {max(good)} ({os.path.join(self.directory, str(max(good)))})" if good else "none"
+            good = []
+            with contextlib.suppress(OSError):  # the finished step directories (not the temporary ones)
+                good = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+            last = f"step {good[-1]} ({os.path.join(self.directory, str(good[-1]))})" if good else "none"
             raise CheckpointError(
-                f"No space left to save {'a checkpoint' if step is None else f'step {step}'} in {self.directory} "
-                f"({_first_line(error)}); the last good checkpoint is {last}. Fix: free space there (or raise "
-                "the quota), then run the same command again to resume from it."
+                f"A checkpoint save in {self.directory} failed: {reason}; the last "
+                f"good checkpoint is {last}. Fix: free space there (or raise the quota), then run the same "
+                "command again to resume from it."
             ) from None
 
     def _restore_verified(self, abstract_state, step: int):
@@ -270,7 +276,7 @@ class Checkpointer:
         return self._manager.restore(step, args=args).state
 
     def wait(self) -> None:
-        with self._disk_errors(None):
+        with self._disk_errors():
             self._manager.wait_until_finished()
 
     def close(self) -> None:
@@ -324,15 +330,19 @@ def _listed(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _is_disk_full(error: BaseException) -> bool:
+_DISK_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
+
+
+def _disk_full(error: BaseException | None) -> str | None:
+    """The reason, when ``error`` (or an error it came from) says the disk or a file limit is full."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return True
-        text = str(error)
-        if any(s in text for s in ("No space left on device", "Disk quota exceeded", "File too large")):
-            return True
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            return _DISK_FULL[error.errno]
+        reason = next((r for r in _DISK_FULL.values() if r in str(error)), None)
+        if reason:
+            return reason
         error = error.__cause__ or error.__context__
-    return False
+    return None
 
 
 def _first_line(error: Exception) -> str:

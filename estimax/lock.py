@@ -18,6 +18,7 @@ import errno
 import json
 import logging
 import os
+import shlex
 import socket
 import sys
 import time
@@ -132,7 +133,7 @@ def holder_record() -> dict:
         "pid": os.getpid(),
         "process_start": process_start(os.getpid()),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]) if sys.argv and sys.argv[0] else "python",
+        "command": shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]),
     }
 
 
