@@ -27,6 +27,7 @@ import datetime
 import errno
 import logging
 import os
+import re
 import time
 
 import jax
@@ -345,6 +346,9 @@ def _disk_full(error: BaseException | None) -> str | None:
     return None
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: Exception, most: int = 240) -> str:
+    """The first line of an error, without tensorstore's spec dumps, at most ``most`` characters."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    text = re.sub(r" ?\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text[0] if text else "")
+    text = text if len(text) <= most else text[: most - 3] + "..."
+    return f"{type(error).__name__}: {text}"

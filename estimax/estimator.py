@@ -286,15 +286,15 @@ class Estimator:
             yield
             return
         primary = jax.process_index() == 0
-        failure = ""
+        outcome = "ok"
         if primary:
             try:
                 self._lock.acquire()
             except (ModelDirLocked, ModelDirNotWritable) as error:
-                failure = f"{type(error).__name__}:{error}"
-        failure = self._sync.share("taking the model_dir lock", failure)
-        if failure:
-            name, text = failure.split(":", 1)
+                outcome = f"{type(error).__name__}:{error}"
+        outcome = self._sync.share("taking the model_dir lock", outcome)
+        if outcome != "ok":
+            name, text = outcome.split(":", 1)
             raise {"ModelDirLocked": ModelDirLocked, "ModelDirNotWritable": ModelDirNotWritable}[name](text)
         try:
             self._checkpointer.open_for_writing(primary)

@@ -10,6 +10,7 @@ themselves are ``loop.py``'s; the Estimator sets everything up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -108,34 +109,34 @@ class TrainingLoop:
                     current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
                     step = current.step_after
                     publish(state, step, current.input_state)
-                    # A due checkpoint is saved before anything at this boundary can raise (hooks, evaluation).
-                    if self.checkpointer and self.checkpointer.due(current.step_before, step):
+                    due = bool(self.checkpointer) and self.checkpointer.due(current.step_before, step)
+                    with self._saving_on_error(state, current, due):
                         if previous is not None:
-                            self._checked(previous)  # a NaN is named at the step where it appeared
+                            stop |= self._after_loop(previous, chunks)
+                        previous = last = current
+                        self.profiler.after_loop(step, state)
+                        if preemption.requested(step, since=current.step_before):
+                            break
+                        if evaluation is not None and (
+                            evaluation.every_steps
+                            and step // evaluation.every_steps > current.step_before // evaluation.every_steps
+                        ):
+                            # The evaluation waits for this loop anyway: report it first, untimed.
+                            stop |= self._after_loop(current, chunks, untimed=True)
+                            previous = None
+                            stop |= self._evaluate(evaluation, state, current, preemption)
+                    if due:
                         self._save(state, current)
-                    if previous is not None:
-                        stop |= self._after_loop(previous, chunks)
-                    previous = last = current
-                    self.profiler.after_loop(step, state)
-                    if preemption.requested(step, since=current.step_before):
-                        break
-                    if evaluation is not None and (
-                        evaluation.every_steps
-                        and step // evaluation.every_steps > current.step_before // evaluation.every_steps
-                    ):
-                        # The evaluation waits for this loop anyway: report it first, untimed.
-                        stop |= self._after_loop(current, chunks, untimed=True)
-                        previous = None
-                        stop |= self._evaluate(evaluation, state, current, preemption)
                     if stop:
                         self.stopped = True
                         break
+            with self._saving_on_error(state, last, bool(self.checkpointer) and last is not None):
+                if previous is not None:
+                    self._after_loop(previous, chunks, final=True)
+                if preemption.signal_name is None and evaluation is not None and not stop:
+                    self._evaluate(evaluation, state, previous, preemption, final=True)
             if self.checkpointer and last is not None:
-                self._save(state, last)  # before the final hooks and evaluation, which may raise
-            if previous is not None:
-                self._after_loop(previous, chunks, final=True)
-            if preemption.signal_name is None and evaluation is not None and not stop:
-                self._evaluate(evaluation, state, previous, preemption, final=True)
+                self._save(state, last)
             self.profiler.stop(state)
             if self.checkpointer:
                 timer = time.perf_counter()
@@ -157,6 +158,19 @@ class TrainingLoop:
             raise
 
     # -- at a loop boundary ----------------------------------------------------
+    @contextlib.contextmanager
+    def _saving_on_error(self, state, loop: _Loop | None, due: bool):
+        """A mistake found at a loop boundary (a hook, a writer, an evaluation) never discards
+        the checkpoint that was due there: it is saved, then the error goes on."""
+        try:
+            yield
+        except NonFiniteError:
+            raise  # never save a state that came out of a NaN
+        except Exception:
+            if due and loop is not None:
+                self._save(state, loop)
+            raise
+
     def _after_loop(self, loop: _Loop, chunks, final: bool = False, untimed: bool = False) -> bool:
         outputs = self._checked(loop)
         now = time.perf_counter()
