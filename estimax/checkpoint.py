@@ -301,9 +301,10 @@ def locate(path: str) -> tuple[Checkpointer, int | None]:
     )
 
 
-def abstract_like(abstract_state, sharding):
-    """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``sharding``, the target of a restore."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state)
+def abstract_like(abstract_state, shardings):
+    """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``shardings`` (a tree like it, one per leaf),
+    the target of a restore: the arrays come back in this run's layout, whatever the saving run's was."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
 
 
 def checksums(tree) -> dict[str, jax.Array]:
@@ -331,7 +332,11 @@ def _listed(names: list[str], most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-_DISK_FULL = {errno.ENOSPC: "No space left on device", errno.EDQUOT: "Disk quota exceeded", errno.EFBIG: "File too large"}
+_DISK_FULL = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EFBIG: "File too large",
+}
 
 
 def _disk_full(error: BaseException | None) -> str | None:

@@ -39,9 +39,8 @@ class Preempted(SystemExit):
         self.step, self.signal_name, self.saved_to = step, signal_name, saved_to
 
     def __str__(self) -> str:
-        return (
-            f"{_stopped(self.step, self.signal_name, self.saved_to)}; exit code {PREEMPTED_EXIT_CODE} "
-            + ("(run the same command again to resume)." if self.saved_to else "(RunConfig(model_dir=None)).")
+        return f"{_stopped(self.step, self.signal_name, self.saved_to)}; exit code {PREEMPTED_EXIT_CODE} " + (
+            "(run the same command again to resume)." if self.saved_to else "(RunConfig(model_dir=None))."
         )
 
 

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimax import diagnose
+from estimax import diagnose, precision
 from estimax import metrics as metrics_lib
-from estimax import precision
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 

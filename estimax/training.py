@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.loop import read_outputs
-from estimax import preemption as preemption_lib
 from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
 

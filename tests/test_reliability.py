@@ -177,7 +177,10 @@ def test_ctrl_c_at_an_interactive_prompt_keeps_the_trained_state():
         _read_until(main, "TRAINING")
         python.send_signal(signal.SIGINT)  # what Ctrl-C on the terminal sends
         out = _read_until(main, ">>> ")  # the prompt is back
-        os.write(main, b"print('STEP', est.step, type(sys.last_value).__name__, isinstance(sys.last_value, KeyboardInterrupt))\n")
+        os.write(
+            main,
+            b"print('STEP', est.step, type(sys.last_value).__name__, isinstance(sys.last_value, KeyboardInterrupt))\n",
+        )
         out += _read_until(main, "Interrupted True")
     finally:
         with contextlib.suppress(OSError):
@@ -196,7 +199,10 @@ def test_ctrl_c_at_an_interactive_prompt_keeps_the_trained_state():
 
 def test_evaluate_predict_and_model_warn_once_about_initial_weights(model_dir):
     est = estimator(model_dir)
-    with pytest.warns(UntrainedWarning, match=rf"evaluate\(\) uses the initial, untrained weights: model_dir '{model_dir}' has no checkpoint"):
+    with pytest.warns(
+        UntrainedWarning,
+        match=rf"evaluate\(\) uses the initial, untrained weights: model_dir '{model_dir}' has no checkpoint",
+    ):
         est.evaluate(DATA)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UntrainedWarning)  # once per Estimator
@@ -238,7 +244,10 @@ def test_mistakes_are_found_before_the_first_step(model_dir):
         est.train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
     with pytest.raises(ValueError, match=r"predict_batch_size=4\) does not divide"):
         estimator(model_dir, predict_batch_size=4).train(DATA, max_steps=4)
-    with pytest.raises(ValueError, match=r"best_metric='acc': not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"best_metric='acc': not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]",
+    ):
         estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, best_metric="acc")
     stopping = ex.EarlyStopping("val_loss")
     with pytest.raises(ValueError, match=r"EarlyStopping\(metric='val_loss'\): not among the evaluation's metrics"):
@@ -261,7 +270,10 @@ def test_a_read_only_model_dir(model_dir, caplog):
     estimator(model_dir).train(DATA, max_steps=4)
     with _read_only(model_dir):
         est = estimator(model_dir)
-        with pytest.raises(ModelDirNotWritable, match=rf"model_dir {model_dir} is not writable \((Read-only file system|Permission denied)\).*Fix:"):
+        with pytest.raises(
+            ModelDirNotWritable,
+            match=rf"model_dir {model_dir} is not writable \((Read-only file system|Permission denied)\).*Fix:",
+        ):
             est.train(DATA, max_steps=8)
         assert est.step == 4 and _steps(model_dir) == [4]  # nothing trained
         results = est.evaluate(DATA)  # the results come back; that they were not written is said
@@ -287,7 +299,8 @@ def test_another_model_is_an_error_naming_the_arrays_another_setup_a_warning(mod
     assert (
         "Resuming step 4 of" in caplog.text
         and "train_batch_size 32 when saved, 64 now; seed 0 when saved, 3 now; "
-        "optimizer hyper-parameters (1.step_size -0.1 -> -0.05)" in caplog.text
+        "optimizer hyper-parameters (1.step_size -0.1 -> -0.05)"
+        in caplog.text
     )
 
 
@@ -298,9 +311,14 @@ def test_model_fn_and_input_mistakes_are_estimax_errors(tmp_path):
     features, labels = blobs(64)
     with pytest.raises(ex.ModelFnError, match=r"model_fn raised .* in train mode, and the input has no labels.*Fix:"):
         estimator().train(ex.data.from_arrays(features), max_steps=1)
-    with pytest.raises(ex.ModelFnError, match=r"TypeError: .*integer.* labels \{array: float32 \(32,\)\}.*integer class ids"):
+    with pytest.raises(
+        ex.ModelFnError, match=r"TypeError: .*integer.* labels \{array: float32 \(32,\)\}.*integer class ids"
+    ):
         estimator().train(ex.data.from_arrays(features, labels.astype(np.float32)), max_steps=1)
-    with pytest.raises(ex.ModelFnError, match=r"model_fn read features\['x'\] in train mode, which the input lacks; the input has features \['pixels'\]"):
+    with pytest.raises(
+        ex.ModelFnError,
+        match=r"model_fn read features\['x'\] in train mode, which the input lacks; the input has features \['pixels",
+    ):
         estimator().train(ex.data.from_arrays({"pixels": features["x"]}, labels), max_steps=1)
     with pytest.raises(ValueError, match=r"features\['x'\] has dtype <U\d+; expected numbers"):
         estimator().train([({"x": features["x"].astype(str)[:32]}, labels[:32])], max_steps=1)
