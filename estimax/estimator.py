@@ -247,7 +247,6 @@ class Estimator:
         hooks = validation.check_hooks(hooks)
         if patience is not None:
             hooks.append(EarlyStopping(best_metric or "loss", mode if best_metric else "min", patience))
-        self._check_batch_sizes()
         self._check_metric_names(eval_input, train_input, validation.metrics_used(hooks, best_metric))
         best = None
         if best_metric is not None and self.config.model_dir is not None:
