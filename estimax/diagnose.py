@@ -30,14 +30,15 @@ def model_fn_error(error: Exception, features, labels, mode) -> ModelFnError:
         )
     if labels is None and mode != "predict":
         return ModelFnError(
-            f"model_fn raised {said} in {mode} mode, and the input has no labels (labels is None); "
-            f"it received {received}. Fix: give the input labels, e.g. ex.data.from_arrays(features, labels), "
-            "or make model_fn work without them."
+            f"model_fn raised in {mode} mode, and the input has no labels (labels is None): {said}; it received "
+            f"{received}. Fix: give the input labels, e.g. ex.data.from_arrays(features, labels), or make model_fn "
+            "work without them."
         )
     return ModelFnError(
-        f"model_fn raised {said} in {mode} mode on {received}. If the loss expects other labels, convert them in "
-        "the input: integer class ids of shape (batch,) for optax.*_with_integer_labels losses, one-hot floats "
-        "of shape (batch, classes) for optax.softmax_cross_entropy, floats of shape (batch,) for regression."
+        f"model_fn raised in {mode} mode: {said}; it received {received}. Fix: if the loss expects other labels, "
+        "convert them in the input: integer class ids of shape (batch,) for optax.*_with_integer_labels losses, "
+        "one-hot floats of shape (batch, classes) for optax.softmax_cross_entropy, floats of shape (batch,) for "
+        "regression."
     )
 
 
