@@ -66,7 +66,7 @@ def _truncate_arrays(model_dir, step):
 
 
 def test_a_damaged_checkpoint_is_moved_aside_and_saved_again(model_dir):
-    _job(model_dir, 8)
+    estimator(model_dir, loop="step", steps_per_loop=2, save_every_steps=2).train(DATA, max_steps=8)
     assert _steps(model_dir) == [4, 6, 8]
     _truncate_arrays(model_dir, 8)
     out = _job(model_dir, 8)  # falls back to 6, moves 8 aside, retrains 7-8 and saves 8 again
@@ -129,6 +129,23 @@ def test_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path, caplog):
     path.write_text(json.dumps({**holder_record(), "host": "elsewhere", "pid": 12345}))
     with pytest.raises(ModelDirLocked, match=r"being written by another process: host elsewhere, pid 12345.*delete"):
         estimator(str(tmp_path)).train(DATA, max_steps=2)
+
+
+def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
+    model_dir, holder = str(tmp_path / "run"), {**holder_record(), "host": "elsewhere", "pid": 4242}
+    os.makedirs(model_dir)
+    with open(os.path.join(model_dir, LOCK_FILE), "w") as f:
+        json.dump(holder, f)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS])
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+    command += ["--", sys.executable, os.path.join(TESTS, "multihost_job.py"), model_dir, str(tmp_path / "out")]
+    done = subprocess.run([*command, "train", "8"], env=env, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    # Process 0 tried the lock; process 1 learnt the outcome from it: both stop with the same error.
+    assert out.count("ModelDirLocked: model_dir") >= 2 and "host elsewhere, pid 4242" in out, out
+    assert _steps(model_dir) == [] and json.load(open(os.path.join(model_dir, LOCK_FILE))) == holder
 
 
 def test_evaluate_of_a_run_in_training_writes_nothing_into_it(model_dir, caplog):
