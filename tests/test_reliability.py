@@ -326,10 +326,14 @@ def test_another_model_is_an_error_naming_the_arrays_another_setup_a_warning(mod
 
 def test_model_fn_and_input_mistakes_are_estimax_errors(tmp_path):
     features, labels = blobs(64)
-    with pytest.raises(ex.ModelFnError, match=r"model_fn raised in train mode, and the input has no labels \(labels is None\): .*Fix: give"):
+    with pytest.raises(
+        ex.ModelFnError,
+        match=r"model_fn raised in train mode, and the input has no labels \(labels is None\): .*Fix: give",
+    ):
         estimator().train(ex.data.from_arrays(features), max_steps=1)
     with pytest.raises(
-        ex.ModelFnError, match=r"in train mode: TypeError: .*integer.* labels \{array: float32 \(32,\)\}. Fix: .*class ids"
+        ex.ModelFnError,
+        match=r"in train mode: TypeError: .*integer.* labels \{array: float32 \(32,\)\}. Fix: .*class ids",
     ):
         estimator().train(ex.data.from_arrays(features, labels.astype(np.float32)), max_steps=1)
     with pytest.raises(
