@@ -24,7 +24,7 @@ import optax
 from estimax import checkpoint as checkpoint_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax import report, run_record, validation
+from estimax import report, run_record, trackers, validation
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -101,6 +101,7 @@ class Estimator:
             self._checkpointer.run_meta = self._run_record
         self._lock = None if config.model_dir is None else Lock(config.model_dir)
         self._warm_start = warm_start
+        self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
         self._origin = None  # where the state came from: "initial", "warm_start", "restored", "trained"
         self._warned_untrained = False
@@ -387,15 +388,17 @@ class Estimator:
         return hooks + list(extra)
 
     def _writers(self, files: bool = True) -> list:
-        """metrics.jsonl, TensorBoard and console writers; files on process 0 only."""
+        """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
+        and only with ``files`` (what this process may write)."""
         cfg = self.config
         writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
-        if cfg.model_dir is None or jax.process_index() != 0 or not files:
+        if jax.process_index() != 0 or not files:
             return writers
-        writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
-        if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
-            writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
-        return writers
+        if cfg.model_dir is not None:
+            writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
+            if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
+                writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
+        return writers + trackers.writers(cfg, self.params, self._tracker_runs)
 
     # -- evaluate and predict --------------------------------------------------
     def evaluate(self, input, *, steps: int | None = None, checkpoint: int | str | None = None) -> dict[str, float]:

@@ -29,6 +29,11 @@ class File(NamedTuple):
         handle = self.fs.open(self.path, "rb")
         return _CheckedGzip(self.name, handle) if self.path.endswith(".gz") else handle
 
+    def read(self) -> bytes:
+        """The whole file, decompressed if ``.gz``; a damaged ``.gz`` is an error naming the file."""
+        with self.open() as f:
+            return f.read()
+
     def read_range(self, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path, start=start, end=end)
 
@@ -57,8 +62,8 @@ class _CheckedGzip(gzip.GzipFile):
 
     def _error(self, error: Exception) -> ValueError:
         return ValueError(
-            f"{self._display}: the compressed file is truncated or corrupt ({type(error).__name__}: {error}); "
-            "expected a complete .gz file. Fix: download or copy it again (`gzip -t FILE` checks it)."
+            f"{self._display}: not a complete gzip file ({type(error).__name__}: {error}); expected the whole "
+            "download. Fix: download it again, or gunzip a good copy (`gzip -t FILE` checks a file)."
         )
 
 
@@ -77,6 +82,14 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
     if not files:
         raise FileNotFoundError("Input files: received an empty list; expected at least one path.")
     return files
+
+
+def listing(directory: str | os.PathLike) -> list[str]:
+    """The names of the files in ``directory`` (any fsspec URL); raises if it is not a directory."""
+    fs, path = fsspec.core.url_to_fs(os.fspath(directory))
+    if not fs.isdir(path):
+        raise FileNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
+    return [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
 
 
 def _display(pattern: str, fs, path: str) -> str:
