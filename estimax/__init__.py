@@ -1,7 +1,8 @@
 """estimax: one model definition trained, evaluated and predicted on every device.
 
 The public names are imported on first use (PEP 562), so that ``import
-estimax.cli`` (``estimax --help``, argument errors) does not import JAX.
+estimax.cli`` (``estimax --help``, argument errors) does not import JAX, and
+``estimax.serving`` / ``estimax serve`` load an exported model without Flax.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "distributed", "models", "task", "trackers")
+_SUBMODULES = ("data", "distributed", "models", "serving", "task", "trackers")
 _NAMES = {
     "CheckpointError": "estimax.checkpoint",
     "CheckpointPolicy": "estimax.config",

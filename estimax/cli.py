@@ -26,7 +26,7 @@ import sys
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
 DEFAULT_EXAMPLE = "digits"
-TASK_COMMANDS = ("train", "evaluate", "predict")  # the commands that take a task
+TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 
@@ -109,6 +109,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "train, then evaluate the held-out input"),
         ("evaluate", "evaluate the latest checkpoint on the held-out input"),
         ("predict", "predict the held-out input with the latest checkpoint"),
+        ("export", "write a checkpoint as a self-contained artifact (estimax serve, estimax.serving.load)"),
     ):
         sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}")
         add_task_arguments(sub, name)
@@ -117,12 +118,18 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
         if name == "predict":
             sub.add_argument("--output", help="write one JSON line per example here (default: a summary)")
+        if name == "export":
+            sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
+            sub.add_argument("--checkpoint", help="STEP of the model dir or a checkpoint PATH (default: the latest)")
     launch = commands.add_parser(
         "launch",
         help="run a command as N processes on this machine, restarting the group on failure",
         usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
     )
     _launch_arguments(launch)
+    from estimax import server
+
+    server.add_arguments(commands.add_parser("serve", help="serve an exported model over TF Serving's REST API"))
     return parser
 
 
@@ -212,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":  # the artifact only: no task, no model code, no Flax
+        from estimax import server
+
+        return server.main(args)
     check_arguments(args)
     try:
         from estimax import commands

@@ -1,4 +1,4 @@
-"""What ``estimax train``, ``evaluate`` and ``predict`` do, once the arguments are parsed and checked.
+"""What ``estimax train``, ``evaluate``, ``predict`` and ``export`` do, once the arguments are parsed and checked.
 
 Owns joining the process group, loading the task, building its ``RunConfig``
 from the flags (``cli.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
@@ -21,6 +21,7 @@ from estimax import distributed
 from estimax import task as task_lib
 from estimax.cli import RUN_FLAGS
 from estimax.config import RunConfig
+from estimax.data import feed
 
 COMMAND_DEFAULTS = ("max_steps", "eval_every", "model_dir")  # DEFAULTS that are no RunConfig field
 
@@ -117,8 +118,20 @@ def predict(args, task, estimator, first: bool) -> int:
     return 0
 
 
+def export(args, task, estimator, first: bool) -> int:
+    checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
+    if checkpoint is None:
+        _require_checkpoint(estimator)
+    # The shapes of the task's predict input, from its first example.
+    features, _ = next(iter(feed.eval_batches(task.input("predict"), 1, process_index=0, process_count=1)))
+    path = estimator.export(args.output, checkpoint=checkpoint, example_features=features)
+    if first:
+        print(path)
+    return 0
+
+
 def _as_dict(record) -> dict:
     return record if isinstance(record, dict) else {"prediction": record}
 
 
-COMMANDS = {"train": train, "evaluate": evaluate, "predict": predict}
+COMMANDS = {"train": train, "evaluate": evaluate, "predict": predict, "export": export}
