@@ -19,7 +19,9 @@ class ModelFnError(ValueError):
     """The model_fn failed on the input it received."""
 
 
-def model_fn_error(error: Exception, features, labels, mode) -> ModelFnError:
+def model_fn_error(error: Exception, features, labels, mode) -> ModelFnError | None:
+    """The estimax error for ``error``, or ``None`` to let it pass as it is (in PREDICT mode only a
+    missing feature is retold: there are no labels, and export explains its own tracing errors)."""
     said = _first_line(error)
     received = f"features {describe(features)}, labels {describe(labels)}"
     if isinstance(error, KeyError) and isinstance(features, dict) and error.args and error.args[0] not in features:
@@ -28,7 +30,9 @@ def model_fn_error(error: Exception, features, labels, mode) -> ModelFnError:
             f"features {sorted(map(str, features))}. Fix: add {error.args[0]!r} to the input's features, or read "
             "one of those."
         )
-    if labels is None and mode != "predict":
+    if mode == "predict":
+        return None
+    if labels is None:
         return ModelFnError(
             f"model_fn raised in {mode} mode, and the input has no labels (labels is None): {said}; it received "
             f"{received}. Fix: give the input labels, e.g. ex.data.from_arrays(features, labels), or make model_fn "

@@ -76,7 +76,10 @@ class Core:
         try:
             spec = self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size})
         except Exception as error:  # traced before compiling: said in terms of the input
-            raise diagnose.model_fn_error(error, features, labels, mode) from error
+            explained = diagnose.model_fn_error(error, features, labels, mode)
+            if explained is None:
+                raise
+            raise explained from error
         spec = check_spec(spec, mode, batch_size)
         if self.compute_dtype is not None:  # outputs leave in float32, whatever the compute dtype
             spec = Spec(*precision.cast_floating(tuple(spec), jnp.float32))

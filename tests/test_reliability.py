@@ -281,6 +281,9 @@ def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
     with pytest.raises(ValueError, match=r"best_metric='acc' is not among the evaluation's metrics"):
         est.train_and_evaluate(iter(plain * 8), plain, max_steps=8, eval_every_steps=4, best_metric="acc")
     assert _steps(model_dir) == [4] and estimator(model_dir).step == 4
+    # The end of training is saved also when its last loop was evaluated at the boundary.
+    estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=8)
+    assert _steps(model_dir) == [4, 8]
 
 
 def test_a_read_only_model_dir(model_dir, caplog):
