@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import sys
 
-EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
+EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
 TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 USER_ERROR_EXIT = 2
@@ -72,6 +72,23 @@ def tracker(text: str) -> str:
     return text
 
 
+def mesh_axes(text: str) -> dict[str, int]:
+    """``data=4,model=2`` as ``RunConfig(mesh=...)`` (a size ``-1``: the rest of the devices)."""
+    axes = {}
+    for item in text.split(","):
+        name, equals, size = item.partition("=")
+        if not equals or not name.strip() or not size.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"received {text!r}; expected name=size pairs, e.g. data=4,model=2")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def with_fsdp(mesh: dict[str, int] | None, fsdp: int) -> dict[str, int]:
+    """``mesh`` with an ``fsdp`` axis of ``fsdp`` devices (``--fsdp``); ``data`` takes the rest unless sized."""
+    mesh = {**(mesh or {}), "fsdp": fsdp}
+    return mesh if "data" in mesh or -1 in mesh.values() else {"data": -1, **mesh}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunFlag:
     """A flag that sets one ``RunConfig`` field; unset, the task's ``DEFAULTS[dest]`` or RunConfig's default."""
@@ -92,9 +109,11 @@ RUN_FLAGS = (
     RunFlag("--batch-size", "train_batch_size", "global batch of a training step", {"type": positive_int}),
     RunFlag("--eval-batch-size", "eval_batch_size", "batch of evaluation and prediction", {"type": positive_int}),
     RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
+    RunFlag("--mesh", "mesh", "device mesh, e.g. data=4,model=2 (-1: the rest)", {"type": mesh_axes}),
     RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
     RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
     RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
+    RunFlag("--grad-accum", "grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN),
     RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
     RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
@@ -138,7 +157,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     sub.add_argument("task", nargs="?", help="a task module (my_project.task) or .py file (default: --example)")
     sub.add_argument("--example", choices=EXAMPLES, help="a bundled task (default: digits)")
     sub.add_argument("--data", choices=("digits", "mnist"), help="--data mnist is --example mnist")
-    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist)")
+    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist, lm)")
     sub.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", type=_assignment, help="override params[NAME]"
     )
@@ -146,6 +165,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     for run_flag in RUN_FLAGS:
         if command in run_flag.commands:
             sub.add_argument(run_flag.flag, dest=run_flag.dest, help=run_flag.help, **run_flag.options)
+    sub.add_argument("--fsdp", type=positive_int, help="shard parameters and optimizer state over N devices")
     sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
     group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")

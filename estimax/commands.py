@@ -19,7 +19,7 @@ import jax
 
 from estimax import distributed
 from estimax import task as task_lib
-from estimax.cli import RUN_FLAGS
+from estimax.cli import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         value = defaults.get(run_flag.dest) if value is None else value
         if value is not None:
             settings[run_flag.field] = value
+    if args.fsdp is not None:
+        settings["mesh"] = with_fsdp(settings.get("mesh"), args.fsdp)
     estimator = task.estimator(RunConfig(**settings))
     first = jax.process_index() == 0  # process 0 speaks for the group
     return COMMANDS[args.command](args, task, estimator, first)
@@ -73,7 +75,7 @@ def train(args, task, estimator, first: bool) -> int:
         )
     else:
         results = estimator.train(train_input, max_steps=max_steps).evaluate(eval_input)
-    name = "accuracy" if "accuracy" in results else "loss"
+    name = next((n for n in ("accuracy", "bits_per_byte") if n in results), "loss")
     if first:
         print(
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "

@@ -8,6 +8,7 @@ outputs only after the next one is dispatched, checkpoints and reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -21,11 +22,11 @@ import jax
 import numpy as np
 import optax
 
+from estimax import accumulation, report, run_record, trackers, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax import report, run_record, trackers, validation
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -87,7 +88,9 @@ class Estimator:
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices), config.mesh)
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
-            self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
+            self._core = Core(
+                adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype, config.grad_accum_steps
+            )
             self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self.layout = layout_lib.build(
             self.mesh, self._abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes
@@ -108,6 +111,7 @@ class Estimator:
         self._warned_untrained = False
         self._feature_spec = None  # per-example shapes of the last input seen, for export()
         self._param_names = leaf_names(self._abstract_state.params)
+        accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -188,8 +192,7 @@ class Estimator:
         """
         state = self._state_at(checkpoint, "model")
         # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
-        gather = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree), out_shardings=self.layout.replicated)
-        params, model_state = gather((state.params, state.model_state))
+        params, model_state = _gathered_copy(state.params, state.model_state, self.layout.replicated)
         with jax.set_mesh(self.mesh):
             return self._core.adapter.live(params, model_state)
 
@@ -272,6 +275,8 @@ class Estimator:
 
     def _check_batch_sizes(self) -> None:
         cfg = self.config
+        if cfg.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
+            accumulation.check_batch_size(cfg.train_batch_size, cfg.grad_accum_steps, self.layout.batch)
         mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
         mesh_lib.check_batch_size("eval_batch_size", cfg.global_eval_batch_size, self.mesh)
         mesh_lib.check_batch_size("predict_batch_size", cfg.global_predict_batch_size, self.mesh)
@@ -532,6 +537,11 @@ class Estimator:
         if self._eval_runner is None:
             self._eval_runner = EvalRunner(self._core, self.layout)
         return self._eval_runner
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gathered_copy(params, model_state, replicated):
+    return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
 
 
 def _rows(predictions, num_valid: int) -> Iterator:
