@@ -259,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in a task, its input or the settings, and estimax's own error classes (no traceback)."""
     errors = [ValueError, TypeError, FileNotFoundError, ImportError]
-    for module, name in (("estimax.training", "NonFiniteError"), ("estimax.distributed", "SyncTimeout")):
+    for module, name in (
+        ("estimax.training", "NonFiniteError"),
+        ("estimax.distributed", "SyncTimeout"),
+        ("estimax.lock", "ModelDirLocked"),
+        ("estimax.lock", "ModelDirNotWritable"),
+    ):
         if module in sys.modules:  # only once JAX is loaded: an error before that is none of these
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

@@ -95,7 +95,7 @@ def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp
     _wait_for(lambda: os.path.exists(os.path.join(model_dir, LOCK_FILE)), first)
     second = subprocess.run(command, capture_output=True, text=True, timeout=180)
     out = second.stdout + second.stderr
-    assert second.returncode != 0
+    assert second.returncode == 2 and "estimax: error: " in out and "Traceback" not in out, out  # one line
     assert f"model_dir {model_dir} is being written by another process: host {socket.gethostname()}, " in out
     assert f"pid {first.pid}" in out and "estimax.cli train" in out and "Training steps" not in out
     first_out, _ = first.communicate(timeout=180)
