@@ -111,10 +111,11 @@ class TrainRunner:
         slow = count_primitives(self.step.trace(state, batch).jaxpr, SLOW_IN_CPU_LOOPS)
         if slow:
             return "step", (
-                f"the train step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
+                f"the training step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
                 "a loop body (jax issue 12868)"
             )
-        return "scan", f"no convolution in the train step: one compiled loop of {self._steps_per_loop} steps per call"
+        steps = self._steps_per_loop
+        return "scan", f"no convolution in the training step: one compiled loop of {steps} steps per call"
 
 
 def count_primitives(jaxpr, names: tuple[str, ...]) -> int:

@@ -52,7 +52,7 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     env.pop("ESTIMAX_COMPILATION_CACHE", None)
     reference = str(tmp_path / "uninterrupted")
     first = _finish(_start(reference, env))
-    assert "loop=auto: using step: the train step has" in first  # the digits CNN: convolutions on CPU
+    assert "loop=auto: using step: the training step has" in first  # the digits CNN: convolutions on CPU
     assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in first and os.listdir(cache)
 
     run = str(tmp_path / "run")

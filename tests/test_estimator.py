@@ -118,8 +118,8 @@ def test_auto_chooses_from_the_traced_step_without_compiling_the_other_mode(esti
     cnn = ex.Estimator(_TinyCNN, model_fn, optax.sgd(0.1), config=config).train(data, max_steps=40)
     assert (est._train_runner.mode, est._train_runner.step._cache_size()) == ("scan", 0)
     assert (cnn._train_runner.mode, cnn._train_runner.scan._cache_size()) == ("step", 0)
-    assert "loop=auto: using scan: no convolution in the train step" in estimax_log.text
-    assert "loop=auto: using step: the train step has 2 convolutions" in estimax_log.text  # forward, kernel gradient
+    assert "loop=auto: using scan: no convolution in the training step" in estimax_log.text
+    assert "loop=auto: using step: the training step has 2 convolutions" in estimax_log.text  # forward, kernel gradient
     reference = estimator(loop="scan", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
     assert all(np.array_equal(a, b) for a, b in zip(_param_leaves(est), _param_leaves(reference), strict=True))
 
