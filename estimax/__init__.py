@@ -1,6 +1,6 @@
 """estimax: one model definition trained, evaluated and predicted on every device."""
 
-from estimax import data, distributed, models
+from estimax import data, distributed, metrics, models
 from estimax.checkpoint import CheckpointError
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.estimator import Estimator
@@ -30,5 +30,6 @@ __all__ = [
     "WarmStart",
     "data",
     "distributed",
+    "metrics",
     "models",
 ]

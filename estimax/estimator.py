@@ -21,15 +21,17 @@ import optax
 
 from estimax import checkpoint as checkpoint_lib
 from estimax import mesh as mesh_lib
+from estimax import metrics as metrics_lib
 from estimax import report
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
+from estimax.gather import OutputRows
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler, profile_dir
-from estimax.progress import ProgressBar
+from estimax.progress import EvalProgress, ProgressBar
 from estimax.report import MetricLogger
 from estimax.state import leaf_names
 from estimax.step import Core
@@ -53,6 +55,9 @@ class Estimator:
         ``params["batch_size"]`` is set to the global batch of the mode.
       warm_start: initialise parameters from another run when ``model_dir``
         has no checkpoint yet (``WarmStart``).
+      host_metrics: ``fn(outputs) -> dict[str, float]`` run on the host after
+        each evaluation, where ``outputs`` holds the ``Spec(eval_outputs=...)``
+        arrays of every valid example, in input order (O(examples) memory).
     """
 
     def __init__(
@@ -63,8 +68,10 @@ class Estimator:
         config: RunConfig | None = None,
         params: dict | None = None,
         warm_start: WarmStart | None = None,
+        host_metrics: Callable | None = None,
     ):
         _check_model_fn(model_fn)
+        _check_host_metrics(host_metrics)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
@@ -85,6 +92,7 @@ class Estimator:
             else checkpoint_lib.Checkpointer.of_model_dir(config.model_dir, config.checkpoint)
         )
         self._warm_start = warm_start
+        self._host_metrics = host_metrics
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
         self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self._param_names = leaf_names(self._abstract_state.params)
@@ -285,39 +293,79 @@ class Estimator:
         return writers
 
     # -- evaluate and predict --------------------------------------------------
-    def evaluate(self, input, *, steps: int | None = None, checkpoint: int | str | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        input,
+        *,
+        steps: int | None = None,
+        checkpoint: int | str | None = None,
+        host_metrics: Callable | None = None,
+    ) -> dict[str, float]:
         """Exact loss and metrics over the whole input (or its first ``steps`` batches).
 
         The last partial batch is padded and masked: every example counts
-        once. Returns the averages and ``num_examples``. ``checkpoint``: a
-        step of model_dir or a checkpoint path; default: the current state.
+        once. Returns the results (``"<metric>/<field>"`` for metrics of
+        several values) and ``num_examples``. ``checkpoint``: a step of
+        model_dir or a checkpoint path; default: the current state.
+        ``host_metrics``: this call's, instead of the Estimator's.
         """
+        _check_host_metrics(host_metrics)
         state = self._state_at(checkpoint)
-        results = self._evaluate(input, state, steps=steps)
+        results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
         step = int(jax.device_get(state.step))
         for writer in self._writers():
             writer.write("eval", step, results)
             writer.close()
         return results
 
-    def _evaluate(self, input, state, *, steps: int | None = None, should_stop=None) -> dict[str, float] | None:
+    def evaluate_states(
+        self, input, *, steps: int | None = None, checkpoint: int | str | None = None
+    ) -> dict[str, metrics_lib.Metric]:
+        """The merged metric states of an evaluation (host numpy, int64/float64), by name:
+        e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
+        return self._evaluate_states(input, self._state_at(checkpoint), steps=steps)[0]
+
+    def _evaluate(
+        self, input, state, *, steps: int | None = None, should_stop=None, host_metrics: Callable | None = None
+    ) -> dict[str, float] | None:
         """The metrics of ``state`` on ``input``; ``None`` if ``should_stop()`` interrupted it."""
+        host_metrics = host_metrics or self._host_metrics
+        totals, rows = self._evaluate_states(
+            input, state, steps=steps, should_stop=should_stop, rows=bool(host_metrics)
+        )
+        if totals is None:
+            return None
+        results = {}
+        for name, total in totals.items():
+            results.update(metrics_lib.results(name, total))
+        if host_metrics is not None:
+            results.update(_host_results(host_metrics, rows.rows(), results))
+        return results
+
+    def _evaluate_states(self, input, state, *, steps=None, should_stop=None, rows: bool = False):
+        """``(states, OutputRows or None)``; ``(None, None)`` if ``should_stop()`` interrupted it."""
         batch_size = self.config.global_eval_batch_size
         mesh_lib.check_batch_size("eval_batch_size", batch_size, self.mesh)
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
+        outputs = OutputRows() if rows else None
         with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
-            totals = self._evaluator().totals(state, device_batches, should_stop)
+            bar = self._eval_bar(input, batch_size, steps)
+            try:
+                totals = self._evaluator().totals(state, bar.wrap(device_batches), should_stop, outputs)
+            finally:
+                bar.close()
         if totals is None:
             if should_stop is not None and should_stop():
-                return None
+                return None, None
             raise ValueError("Evaluation input yielded no batches; expected at least one example.")
-        results = {name: mean.compute() for name, mean in totals.items()}
-        if "num_examples" in results:
-            raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
-        results["num_examples"] = float(next(iter(totals.values())).count)
-        return results
+        return totals, outputs
+
+    def _eval_bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
+        shown = not self.config.quiet and jax.process_index() == 0 and sys.stderr.isatty()
+        total = -(-len(input) // batch_size) if hasattr(input, "steps_per_epoch") else None
+        return EvalProgress(min(filter(None, (total, steps)), default=None), shown)
 
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
         """One prediction per example, in input order, as numpy (a dict if model_fn returned one).
@@ -349,6 +397,29 @@ class Estimator:
         if self._eval_runner is None:
             self._eval_runner = EvalRunner(self._core, self.mesh)
         return self._eval_runner
+
+
+def _host_results(host_metrics: Callable, outputs: dict, results: dict) -> dict[str, float]:
+    values = host_metrics(outputs)
+    if not isinstance(values, dict):
+        raise TypeError(
+            f"host_metrics returned {type(values).__name__}; expected a dict name -> float, "
+            "e.g. `{'auc': sklearn.metrics.roc_auc_score(o['labels'], o['scores'])}`."
+        )
+    clashes = sorted(set(values) & set(results))
+    if clashes:
+        raise ValueError(
+            f"host_metrics returned {clashes}, which the model_fn's metrics already name; expected new names."
+        )
+    return {name: float(value) for name, value in values.items()}
+
+
+def _check_host_metrics(host_metrics) -> None:
+    if host_metrics is not None and not callable(host_metrics):
+        raise TypeError(
+            f"host_metrics={host_metrics!r} is not callable; expected `fn(outputs) -> dict[str, float]`, "
+            "where outputs holds the Spec(eval_outputs=...) arrays of every example."
+        )
 
 
 def _rows(predictions, num_valid: int) -> Iterator:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -38,7 +39,14 @@ class JsonlWriter:
 
 class TensorBoardWriter:
     """Scalars in ``<logdir>/<split>/`` event files (tensorboardX), one run per split,
-    so that train and eval curves of the same name overlay in TensorBoard."""
+    so that train and eval curves of the same name overlay in TensorBoard.
+
+    ``every_step``: the training report sends it every step's scalar outputs
+    (they are on the host already), not one window mean per log line.
+    """
+
+    every_step = True
+    FLUSH_SECONDS = 2.0  # every step is written: flush on a clock, not per write
 
     def __init__(self, logdir: str):
         try:
@@ -51,6 +59,7 @@ class TensorBoardWriter:
         self._summary_writer = SummaryWriter
         self.logdir = logdir
         self._writers: dict = {}
+        self._flushed = 0.0
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if split not in self._writers:
@@ -58,7 +67,9 @@ class TensorBoardWriter:
         writer = self._writers[split]
         for name, value in values.items():
             writer.add_scalar(name, value, step)
-        writer.flush()
+        if split != "train" or time.monotonic() - self._flushed > self.FLUSH_SECONDS:
+            writer.flush()
+            self._flushed = time.monotonic()
 
     def close(self) -> None:
         for writer in self._writers.values():

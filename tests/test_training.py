@@ -68,8 +68,13 @@ def test_writers_metrics_file_and_tensorboard_read_back(model_dir):
     events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"))
     events.Reload()
     assert {"loss", "grad_norm", "learning_rate", "steps_per_sec"} <= set(events.Tags()["scalars"])
-    assert [e.step for e in events.Scalars("loss")] == [8, 16, 24]
-    assert events.Scalars("loss")[2].value == pytest.approx(train[2]["loss"], rel=1e-6)
+    # Every step's scalars at that step; throughput at the log points.
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 25))
+    assert [e.step for e in events.Scalars("learning_rate")] == list(range(1, 25))
+    assert events.Scalars("learning_rate")[0].value == pytest.approx(0.1, rel=1e-6)
+    window = np.mean([e.value for e in events.Scalars("loss")[16:]])
+    assert window == pytest.approx(train[2]["loss"], rel=1e-5)  # the log line is the mean of its steps
+    assert [e.step for e in events.Scalars("steps_per_sec")] == [8, 16, 24]
     evaluation = EventAccumulator(os.path.join(model_dir, "tensorboard", "eval"))
     evaluation.Reload()
     assert evaluation.Scalars("accuracy")[0].step == 24
