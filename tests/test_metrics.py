@@ -391,3 +391,29 @@ def test_a_user_defined_metric_follows_the_protocol():
     np.testing.assert_array_equal(states["err"].counts, expected)
     assert results["err/under_1"] == pytest.approx(expected[0] / N, abs=1e-12)
     assert results["err/under_3"] == pytest.approx(expected[:3].sum() / N, abs=1e-12)
+
+
+def test_two_processes_of_four_devices_equal_one_of_eight(tmp_path):
+    import subprocess
+    import sys
+
+    from test_distributed import _env, _finish
+
+    job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics_job.py")
+    one = subprocess.run(
+        [sys.executable, job, str(tmp_path / "one")], env=_env(JAX_NUM_CPU_DEVICES="8"), capture_output=True, text=True
+    )
+    assert one.returncode == 0, one.stdout + one.stderr
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+    command += ["--", sys.executable, job, str(tmp_path / "two")]
+    _finish(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    (single,) = [json.load(open(tmp_path / "one" / "result-0.json"))]
+    group = [json.load(open(tmp_path / "two" / f"result-{p}.json")) for p in range(2)]
+    assert (single["processes"], single["devices"]) == (1, 8)
+    for result in group:
+        assert (result["processes"], result["devices"]) == (2, 8)
+        assert result["states"] == single["states"]  # every integer state, exactly
+        assert result["index"] == single["index"] == list(range(N))  # every row once, in input order, everywhere
+        assert result["results"]["rows"] == N and result["results"]["num_examples"] == N
+        for name, value in single["results"].items():
+            assert result["results"][name] == pytest.approx(value, rel=1e-6, abs=1e-6), name  # float sums: any order

@@ -167,3 +167,27 @@ def test_quiet_hides_train_lines(caplog):
     with caplog.at_level("INFO", logger="estimax"):
         estimator(quiet=True, log_every_steps=4).train(DATA, max_steps=8)
     assert "train step" not in caplog.text and "Done at step 8" in caplog.text
+
+
+class Losses(Hook):
+    def __init__(self):
+        self.losses = []
+
+    def after_loop(self, loop):
+        self.losses.extend(float(x) for x in loop.outputs["loss"])
+
+
+def test_tensorboard_has_every_step_of_a_200_step_run(model_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    losses = Losses()
+    estimator(model_dir, steps_per_loop=50, log_every_steps=100, tensorboard=True).train(
+        DATA, max_steps=200, hooks=[losses]
+    )
+    events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"), size_guidance={"scalars": 0})
+    events.Reload()
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 201))
+    np.testing.assert_allclose([e.value for e in loss], losses.losses, rtol=1e-6)  # each step's own loss
+    assert [e.step for e in events.Scalars("grad_norm")] == list(range(1, 201))
+    assert [r["step"] for r in _records(model_dir, "train")] == [100, 200]  # the file keeps its cadence
