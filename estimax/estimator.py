@@ -20,13 +20,13 @@ import numpy as np
 import optax
 
 from estimax import checkpoint as checkpoint_lib
+from estimax import host_metrics as host_metrics_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import report
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
-from estimax.gather import OutputRows
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
@@ -71,7 +71,7 @@ class Estimator:
         host_metrics: Callable | None = None,
     ):
         _check_model_fn(model_fn)
-        _check_host_metrics(host_metrics)
+        host_metrics_lib.check(host_metrics)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
@@ -309,7 +309,7 @@ class Estimator:
         model_dir or a checkpoint path; default: the current state.
         ``host_metrics``: this call's, instead of the Estimator's.
         """
-        _check_host_metrics(host_metrics)
+        host_metrics_lib.check(host_metrics)
         state = self._state_at(checkpoint)
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
         step = int(jax.device_get(state.step))
@@ -339,7 +339,7 @@ class Estimator:
         for name, total in totals.items():
             results.update(metrics_lib.results(name, total))
         if host_metrics is not None:
-            results.update(_host_results(host_metrics, rows.rows(), results))
+            results.update(host_metrics_lib.results(host_metrics, rows.rows(), results))
         return results
 
     def _evaluate_states(self, input, state, *, steps=None, should_stop=None, rows: bool = False):
@@ -349,7 +349,7 @@ class Estimator:
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
-        outputs = OutputRows() if rows else None
+        outputs = host_metrics_lib.OutputRows() if rows else None
         with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
             bar = self._eval_bar(input, batch_size, steps)
             try:
@@ -397,29 +397,6 @@ class Estimator:
         if self._eval_runner is None:
             self._eval_runner = EvalRunner(self._core, self.mesh)
         return self._eval_runner
-
-
-def _host_results(host_metrics: Callable, outputs: dict, results: dict) -> dict[str, float]:
-    values = host_metrics(outputs)
-    if not isinstance(values, dict):
-        raise TypeError(
-            f"host_metrics returned {type(values).__name__}; expected a dict name -> float, "
-            "e.g. `{'auc': sklearn.metrics.roc_auc_score(o['labels'], o['scores'])}`."
-        )
-    clashes = sorted(set(values) & set(results))
-    if clashes:
-        raise ValueError(
-            f"host_metrics returned {clashes}, which the model_fn's metrics already name; expected new names."
-        )
-    return {name: float(value) for name, value in values.items()}
-
-
-def _check_host_metrics(host_metrics) -> None:
-    if host_metrics is not None and not callable(host_metrics):
-        raise TypeError(
-            f"host_metrics={host_metrics!r} is not callable; expected `fn(outputs) -> dict[str, float]`, "
-            "where outputs holds the Spec(eval_outputs=...) arrays of every example."
-        )
 
 
 def _rows(predictions, num_valid: int) -> Iterator:

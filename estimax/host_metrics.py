@@ -1,12 +1,15 @@
-"""Per-example evaluation outputs on the host, for metrics computed there (``host_metrics``).
+"""Metrics computed on the host (``host_metrics``), exact for anything.
 
 Owns bringing ``Spec(eval_outputs=...)`` arrays of each evaluation batch to
-the host: valid rows only, every process's rows on every process, in input
-order (shards ``i::n``, as ``from_arrays`` and Grain ``MapDataset`` inputs
-have). Costs O(examples) host memory. Does not own the metrics.
+the host (valid rows only, every process's rows on every process, in input
+order: shards ``i::n``, as ``from_arrays`` and Grain ``MapDataset`` inputs
+have), and checking the user's function and what it returns. Costs
+O(examples) host memory. Does not own the device metrics (``metrics``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -50,3 +53,27 @@ def _valid_rows(outputs: dict, num_valid: int) -> dict[str, np.ndarray]:
     # Local row r of process p is example r * count + p of the batch.
     order = [p * host_batch + r for r in range(host_batch) for p in range(count) if r < valid[p]]
     return jax.tree.map(lambda x: np.asarray(x)[order], gathered)
+
+
+def results(host_metrics: Callable, outputs: dict, taken: dict) -> dict[str, float]:
+    """``host_metrics(outputs)`` as floats; names already ``taken`` by the device metrics are refused."""
+    values = host_metrics(outputs)
+    if not isinstance(values, dict):
+        raise TypeError(
+            f"host_metrics returned {type(values).__name__}; expected a dict name -> float, "
+            "e.g. `{'auc': sklearn.metrics.roc_auc_score(o['labels'], o['scores'])}`."
+        )
+    clashes = sorted(set(values) & set(taken))
+    if clashes:
+        raise ValueError(
+            f"host_metrics returned {clashes}, which the model_fn's metrics already name; expected new names."
+        )
+    return {name: float(value) for name, value in values.items()}
+
+
+def check(host_metrics) -> None:
+    if host_metrics is not None and not callable(host_metrics):
+        raise TypeError(
+            f"host_metrics={host_metrics!r} is not callable; expected `fn(outputs) -> dict[str, float]`, "
+            "where outputs holds the Spec(eval_outputs=...) arrays of every example."
+        )
