@@ -159,9 +159,10 @@ def locate(path: str) -> tuple[Checkpointer, int | None]:
     )
 
 
-def abstract_like(abstract_state, sharding):
-    """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``sharding``, the target of a restore."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract_state)
+def abstract_like(abstract_state, shardings):
+    """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``shardings`` (a tree like it, one per leaf),
+    the target of a restore: the arrays come back in this run's layout, whatever the saving run's was."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
 
 
 def checksums(tree) -> dict[str, jax.Array]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
 
 LOOP_MODES = ("auto", "scan", "step")
@@ -82,6 +83,18 @@ class RunConfig:
       skip_nonfinite: skip updates whose gradients are NaN/Inf on the device and
         count them (``skipped_update_fraction``) instead of stopping.
       num_devices: use the first N devices (default: all devices of all processes).
+      mesh: ``{axis: size}`` of the device mesh, e.g. ``{"data": 4, "model": 2}``;
+        one size may be ``-1`` (the rest of the devices). The batch is split
+        over ``data`` and ``fsdp``; other axes are model axes. ``fsdp`` > 1
+        also shards parameters and optimizer state (see ``layout.py``).
+        ``None``: a 1-D ``data`` mesh, everything replicated.
+      sharding_rules: ``[(regex, spec), ...]``: a parameter (or model state
+        leaf) whose ``/``-joined path fully matches ``regex`` is sharded by
+        ``spec``, one entry per dimension (an axis name, a tuple of names,
+        or ``None``); the first match wins, and a rule that matches nothing
+        is an error.
+      fsdp_min_bytes: with an ``fsdp`` axis, parameters of at least this size
+        are sharded over it (smaller ones stay on every device).
       compute_dtype: ``"bfloat16"`` (or ``"float16"``) runs the model in that dtype
         while parameters and optimizer state stay float32 (see ``precision.py``);
         ``None``: compute in the parameters' dtype.
@@ -108,6 +121,9 @@ class RunConfig:
     skip_nonfinite: bool = False
     num_devices: int | None = None
     compute_dtype: str | None = None
+    mesh: dict[str, int] | None = None
+    sharding_rules: tuple = ()
+    fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES
     sync_timeout_seconds: float = 300.0
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
@@ -136,6 +152,10 @@ class RunConfig:
         if self.loop not in LOOP_MODES:
             raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
         check_compute_dtype(self.compute_dtype)
+        object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
+        object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
+        if isinstance(self.fsdp_min_bytes, bool) or not isinstance(self.fsdp_min_bytes, int) or self.fsdp_min_bytes < 0:
+            raise ValueError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

@@ -21,6 +21,7 @@ import optax
 
 from estimax import checkpoint as checkpoint_lib
 from estimax import host_metrics as host_metrics_lib
+from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import report
@@ -81,10 +82,14 @@ class Estimator:
         if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
-        self.mesh = mesh_lib.make_mesh(_devices(config.num_devices))
-        adapter = resolve_model(model, self.params, config.seed)
-        self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
-        self._replicated = mesh_lib.replicated(self.mesh)
+        self.mesh = mesh_lib.make_mesh(_devices(config.num_devices), config.mesh)
+        with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
+            adapter = resolve_model(model, self.params, config.seed)
+            self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
+            self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
+        self.layout = layout_lib.build(
+            self.mesh, self._abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes
+        )
         self._sync = Sync(config.sync_timeout_seconds)
         self._checkpointer = (
             None
@@ -94,7 +99,6 @@ class Estimator:
         self._warm_start = warm_start
         self._host_metrics = host_metrics
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
-        self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self._param_names = leaf_names(self._abstract_state.params)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
@@ -109,7 +113,12 @@ class Estimator:
 
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
-        return checkpoint_lib.abstract_like(self._abstract_state, self._replicated)
+        return checkpoint_lib.abstract_like(self._abstract_state, self.layout.state)
+
+    def sharding_plan(self) -> layout_lib.ShardingPlan:
+        """Where every parameter lives: rows with ``path``, ``shape``, ``dtype``, ``spec``,
+        ``bytes_per_device`` and the rule that placed it, and per-device totals (printable)."""
+        return self.layout.plan
 
     def _ensure_state(self):
         """The latest good checkpoint in model_dir if newer than what is in memory, else a
@@ -120,7 +129,8 @@ class Estimator:
             self._state, meta = self._checkpointer.restore(self.state_shapes())
             self._step, self._input_state = meta["step"], meta.get("input_state")
         elif self._state is None:
-            self._state = jax.jit(self._core.init_state, out_shardings=self._replicated)()
+            with jax.set_mesh(self.mesh):  # each array is created in its shards: never whole on one device
+                self._state = jax.jit(self._core.init_state, out_shardings=self.layout.state)()
             if self._warm_start is not None:
                 self._state = self._warm_start.apply(self._state)
             self._step = 0
@@ -148,9 +158,11 @@ class Estimator:
         ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
         """
         state = self._state_at(checkpoint)
-        # Copies: the next train() donates the state's buffers, which would delete the model's arrays.
-        params, model_state = jax.tree.map(jax.numpy.copy, (state.params, state.model_state))
-        return self._core.adapter.live(params, model_state)
+        # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
+        gather = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree), out_shardings=self.layout.replicated)
+        params, model_state = gather((state.params, state.model_state))
+        with jax.set_mesh(self.mesh):
+            return self._core.adapter.live(params, model_state)
 
     # -- train ---------------------------------------------------------------
     def train(
@@ -240,15 +252,17 @@ class Estimator:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
         logger.info(
-            "Training steps %d -> %d: global batch %d on %d devices, %d steps per loop",
+            "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,
             target,
             cfg.train_batch_size,
             self.mesh.size,
+            mesh_lib.describe(self.mesh),
             cfg.steps_per_loop,
+            layout_lib.format_bytes(self.layout.plan.totals["total"]),
         )
         if self._train_runner is None:
-            self._train_runner = TrainRunner(self._core, self.mesh, cfg.loop, cfg.steps_per_loop)
+            self._train_runner = TrainRunner(self._core, self.layout, cfg.loop, cfg.steps_per_loop)
         loop = TrainingLoop(
             self._train_runner,
             self._checkpointer,
@@ -395,7 +409,7 @@ class Estimator:
 
     def _evaluator(self) -> EvalRunner:
         if self._eval_runner is None:
-            self._eval_runner = EvalRunner(self._core, self.mesh)
+            self._eval_runner = EvalRunner(self._core, self.layout)
         return self._eval_runner
 
 

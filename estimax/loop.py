@@ -15,7 +15,6 @@ import time
 import jax
 import numpy as np
 
-from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 
@@ -40,12 +39,11 @@ class TrainRunner:
     outputs as device arrays, without waiting for them.
     """
 
-    def __init__(self, core, mesh, loop: str, steps_per_loop: int):
-        rep, stack = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh, stacked=True)
-        batch = mesh_lib.batch_sharding(mesh)
-        self.scan = jax.jit(core.train_loop, in_shardings=(rep, stack), out_shardings=(rep, rep), donate_argnums=0)
+    def __init__(self, core, layout, loop: str, steps_per_loop: int):
+        rep, state, stack, batch = layout.replicated, layout.state, layout.stack, layout.batch
+        self.scan = jax.jit(core.train_loop, in_shardings=(state, stack), out_shardings=(state, rep), donate_argnums=0)
         self.step = jax.jit(
-            _with_step_axis(core.train_step), in_shardings=(rep, batch), out_shardings=(rep, rep), donate_argnums=0
+            _with_step_axis(core.train_step), in_shardings=(state, batch), out_shardings=(state, rep), donate_argnums=0
         )
         # Separate from the step so that a shorter final stack recompiles only this slice.
         self._batch_at = jax.jit(
@@ -166,12 +164,12 @@ class EvalRunner:
     cannot overflow below a global eval batch of 2**31 / ``fold_every`` rows.
     """
 
-    def __init__(self, core, mesh, fold_every: int = 256):
-        rep, batch = mesh_lib.replicated(mesh), mesh_lib.batch_sharding(mesh)
+    def __init__(self, core, layout, fold_every: int = 256):
+        rep, state, batch = layout.replicated, layout.state, layout.batch
         self._core, self._replicated, self.fold_every = core, rep, fold_every
         # States are small: not donated, so the bound below can wait on old ones.
-        self.step = jax.jit(core.eval_step, in_shardings=(rep, rep, batch, batch), out_shardings=(rep, batch))
-        self.predict = jax.jit(core.predict_step, in_shardings=(rep, batch), out_shardings=batch)
+        self.step = jax.jit(core.eval_step, in_shardings=(state, rep, batch, batch), out_shardings=(rep, batch))
+        self.predict = jax.jit(core.predict_step, in_shardings=(state, batch), out_shardings=batch)
 
     def totals(self, state, device_batches, should_stop=None, outputs=None) -> dict | None:
         """Host states merged over an iterator of ``DeviceBatch``; raises on scalar values in a padded batch.

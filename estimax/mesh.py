@@ -1,11 +1,16 @@
-"""The device mesh and where arrays live on it.
+"""The device mesh and how batches are split over it.
 
-Owns the data-parallel mesh over every device of every process, the shardings
-of state (replicated) and batches (split on the ``data`` axis), the check that
-a global batch divides the mesh, and the host-local -> global array step.
+Owns building the mesh over every device of every process (a 1-D ``data``
+mesh by default, or named axes with sizes), which axes split the batch
+(``data`` and ``fsdp``; every other axis is a model axis), the batch
+shardings, the check that a global batch divides the batch axes, and the
+host-local <-> global array steps. Where the state lives is ``layout.py``.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -13,16 +18,61 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 DATA_AXIS = "data"
+FSDP_AXIS = "fsdp"
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # both split the batch; FSDP also shards the state
 
 
-def make_mesh(devices=None) -> Mesh:
-    """A 1-D data-parallel mesh over ``devices`` (default: all devices).
+def make_mesh(devices=None, axes: Mapping[str, int] | None = None) -> Mesh:
+    """A mesh over ``devices`` (default: all devices).
+
+    ``axes=None``: a 1-D ``data`` mesh. Otherwise ``{name: size}`` with one
+    size ``-1`` allowed (the rest of the devices); a ``data`` axis of size 1
+    is added when absent. Axes are laid out ``data``, ``fsdp``, then the
+    model axes in the order given, so that each process holds a contiguous
+    block of the batch and model axes span the nearest devices.
 
     Auto axis types on purpose: the compiler propagates shardings and inserts
-    the gradient all-reduce itself (see the design notes on Explicit meshes).
+    the collectives itself (see the design notes on Explicit meshes).
     """
     devices = jax.devices() if devices is None else list(devices)
-    return Mesh(np.array(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    if axes is None:
+        return Mesh(np.array(devices), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    sizes = resolve_axes(axes, len(devices))
+    sizes.setdefault(DATA_AXIS, 1)
+    names = sorted(sizes, key=lambda n: BATCH_AXES.index(n) if n in BATCH_AXES else len(BATCH_AXES))
+    grid = np.array(devices).reshape([sizes[n] for n in names])
+    return Mesh(grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """``axes`` with its ``-1`` replaced by the rest of ``num_devices``; raises unless they multiply to it."""
+    sizes = dict(axes)
+    rest = [n for n, s in sizes.items() if s == -1]
+    known = math.prod(s for s in sizes.values() if s != -1)
+    shown = ",".join(f"{n}={s}" for n, s in axes.items())
+    if rest:
+        if num_devices % known:
+            raise ValueError(
+                f"RunConfig(mesh={{{shown}}}): the fixed axes take {known} devices, which does not divide the "
+                f"{num_devices} devices; expected a product that divides {num_devices}."
+            )
+        sizes[rest[0]] = num_devices // known
+    elif known != num_devices:
+        raise ValueError(
+            f"RunConfig(mesh={{{shown}}}) takes {known} devices but there are {num_devices}; expected sizes "
+            f"whose product is {num_devices}. Fix: give one axis -1 (the rest of the devices), e.g. data=-1."
+        )
+    return sizes
+
+
+def describe(mesh: Mesh) -> str:
+    """``data=4 x model=2``."""
+    return " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes the batch is split over, in mesh order."""
+    return tuple(n for n in mesh.axis_names if n in BATCH_AXES)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -30,21 +80,29 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
-    """Sharding of a batch ``(batch, ...)`` or a stack of batches ``(K, batch, ...)``."""
-    return NamedSharding(mesh, P(None, DATA_AXIS) if stacked else P(DATA_AXIS))
+    """Sharding of a batch ``(batch, ...)`` or a stack of batches ``(K, batch, ...)``: rows over the batch axes."""
+    axes = batch_axes(mesh)
+    rows = axes[0] if len(axes) == 1 else axes
+    return NamedSharding(mesh, P(None, rows) if stacked else P(rows))
 
 
 def check_batch_size(name: str, global_batch_size: int, mesh: Mesh) -> None:
-    """Raises unless ``global_batch_size`` splits evenly over the data axis and processes."""
-    num_shards = mesh.shape[DATA_AXIS]
+    """Raises unless ``global_batch_size`` splits evenly over the batch axes and processes."""
+    axes = batch_axes(mesh)
+    num_shards = math.prod(mesh.shape[a] for a in axes)
     if global_batch_size % num_shards == 0 and global_batch_size % jax.process_count() == 0:
         return
     lower = global_batch_size // num_shards * num_shards
     upper = lower + num_shards
     nearest = " or ".join(str(b) for b in (lower, upper) if b > 0)
+    over = (
+        "the data axis"
+        if axes == (DATA_AXIS,)
+        else "the batch axes " + " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
+    )
     raise ValueError(
         f"RunConfig({name}={global_batch_size}) does not divide the {num_shards} devices "
-        f"of the data axis; expected a multiple of {num_shards}. Fix: use {nearest}."
+        f"of {over}; expected a multiple of {num_shards}. Fix: use {nearest}."
     )
 
 
@@ -65,8 +123,11 @@ def to_global(host_tree, sharding: NamedSharding, global_batch_size: int):
 
 
 def to_host_local(x) -> np.ndarray:
-    """This process's rows of an array sharded on the data axis, as numpy."""
+    """This process's rows of an array sharded on the batch axes, as numpy.
+
+    Devices along a model axis hold copies of the same rows: each block is taken once.
+    """
     if x.is_fully_addressable:
         return np.asarray(x)
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return np.concatenate([np.asarray(s.data) for s in shards])
+    blocks = {s.index[0].start or 0: s for s in x.addressable_shards}
+    return np.concatenate([np.asarray(blocks[start].data) for start in sorted(blocks)])

@@ -1,9 +1,10 @@
-"""A training job for the kill/resume tests: `python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate]`.
+"""A training job for the kill/resume tests: `python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate|fsdp]`.
 
 Saves every step (so that a save is nearly always in flight) and logs every
 step, one step per loop, on the 8 simulated devices the tests use. With
 ``evaluate``, runs train_and_evaluate with a slow evaluation input that says
-"evaluating" when it starts.
+"evaluating" when it starts; with ``fsdp``, parameters and Adam's state are
+sharded over ``fsdp=8``.
 """
 
 import os
@@ -13,6 +14,7 @@ import time
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import optax  # noqa: E402
 from models import blobs, estimator  # noqa: E402
 
 import estimax as ex  # noqa: E402
@@ -28,7 +30,8 @@ def slow_evaluation(batches=200):
 
 if __name__ == "__main__":
     model_dir, max_steps = sys.argv[1], int(sys.argv[2])
-    est = estimator(model_dir, loop="scan", steps_per_loop=1, log_every_steps=1, save_every_steps=1)
+    sharded = dict(mesh={"fsdp": 8}, fsdp_min_bytes=0, optimizer=optax.adam(1e-2)) if sys.argv[3:] == ["fsdp"] else {}
+    est = estimator(model_dir, loop="scan", steps_per_loop=1, log_every_steps=1, save_every_steps=1, **sharded)
     if sys.argv[3:] == ["evaluate"]:
 
         class SlowEvaluation:
