@@ -50,23 +50,25 @@ class TensorBoardWriter:
 
     def __init__(self, logdir: str):
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import FileWriter
+            from tensorboardX.proto.summary_pb2 import Summary
         except ImportError:
             raise ImportError(
                 "TensorBoard logging needs tensorboardX, which is not installed. "
                 "Fix: pip install 'estimax[tensorboard]', or RunConfig(tensorboard=False)."
             ) from None
-        self._summary_writer = SummaryWriter
+        self._file_writer, self._summary = FileWriter, Summary
         self.logdir = logdir
         self._writers: dict = {}
         self._flushed = 0.0
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if split not in self._writers:
-            self._writers[split] = self._summary_writer(os.path.join(self.logdir, split), flush_secs=10)
+            self._writers[split] = self._file_writer(os.path.join(self.logdir, split), flush_secs=10)
         writer = self._writers[split]
-        for name, value in values.items():
-            writer.add_scalar(name, value, step)
+        # One event per step with every value: a fraction of the cost of an event per scalar.
+        summary = self._summary(value=[self._summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
+        writer.add_summary(summary, step)
         if split != "train" or time.monotonic() - self._flushed > self.FLUSH_SECONDS:
             writer.flush()
             self._flushed = time.monotonic()
