@@ -17,6 +17,7 @@ import numpy as np
 
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
+from estimax.step import eval_states_of
 
 logger = logging.getLogger("estimax")
 
@@ -167,6 +168,7 @@ class EvalRunner:
     def __init__(self, core, layout, fold_every: int = 256):
         rep, state, batch = layout.replicated, layout.state, layout.batch
         self._core, self._replicated, self.fold_every = core, rep, fold_every
+        self._prepared: dict = {}  # per batch signature: see _prepare
         # States are small: not donated, so the bound below can wait on old ones.
         self.step = jax.jit(core.eval_step, in_shardings=(state, rep, batch, batch), out_shardings=(rep, batch))
         self.predict = jax.jit(core.predict_step, in_shardings=(state, batch), out_shardings=batch)
@@ -182,16 +184,13 @@ class EvalRunner:
             if should_stop is not None and should_stop():
                 return None
             if empty is None:
-                values, output_shapes = jax.eval_shape(self._core.eval_values, state, db.batch)
-                scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and v.ndim == 0)
-                if outputs is not None and not output_shapes:
+                scalars, empty, has_outputs = self._prepare(state, db)
+                if outputs is not None and not has_outputs:
                     raise ValueError(
                         "host_metrics needs per-example arrays on the host, but the model_fn returned no "
                         "Spec(eval_outputs=...) in EVAL mode. Fix: return e.g. "
                         "`ex.Spec(loss=loss, eval_outputs={'scores': probs, 'labels': labels})`."
                     )
-                states, _ = jax.eval_shape(self._core.eval_states, state, db.batch, db.mask)
-                empty = jax.device_put({k: metrics_lib.empty_like(s) for k, s in states.items()}, self._replicated)
                 carry = empty
             if db.padded and scalars:
                 raise ValueError(
@@ -212,6 +211,22 @@ class EvalRunner:
         if empty is None:
             return None
         return _merged(host, carry) if num_batches % self.fold_every else host
+
+    def _prepare(self, state, db) -> tuple[list[str], dict, bool]:
+        """``(names of scalar values, the empty carry on the mesh, whether there are eval_outputs)``,
+        from one trace of the model_fn per batch signature (later evaluations reuse it)."""
+        key = jax.tree.structure(db.batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(db.batch))
+        if key not in self._prepared:
+
+            def shapes(state, batch, mask):
+                values, outputs = self._core.eval_values(state, batch)
+                return values, outputs, eval_states_of(values, mask)
+
+            values, outputs, states = jax.eval_shape(shapes, state, db.batch, db.mask)
+            scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and v.ndim == 0)
+            empty = jax.device_put({k: metrics_lib.empty_like(s) for k, s in states.items()}, self._replicated)
+            self._prepared[key] = scalars, empty, bool(outputs)
+        return self._prepared[key]
 
 
 def _merged(host: dict | None, carry: dict) -> dict:

@@ -119,9 +119,7 @@ class Core:
         Sums over the sharded global batch: XLA merges every device and host.
         """
         values, outputs = self.eval_values(state, batch)
-        states = metrics_lib.batch_states(values, mask)
-        states[metrics_lib.NUM_EXAMPLES] = metrics_lib.SumState.from_batch(mask, mask=mask)
-        return states, outputs
+        return eval_states_of(values, mask), outputs
 
     def eval_step(self, state: TrainState, totals: dict, batch: Batch, mask: jax.Array) -> tuple[dict, dict]:
         """Merges the states of one padded batch into ``totals``; also returns its ``eval_outputs``."""
@@ -131,6 +129,13 @@ class Core:
     def predict_step(self, state: TrainState, batch: Batch):
         spec, _ = self._call(state.params, state, batch, PREDICT, _batch_size(batch))
         return spec.predictions
+
+
+def eval_states_of(values: dict, mask: jax.Array) -> dict:
+    """The states of one batch's ``eval_values``, and ``num_examples`` (the count of valid rows)."""
+    states = metrics_lib.batch_states(values, mask)
+    states[metrics_lib.NUM_EXAMPLES] = metrics_lib.SumState.from_batch(mask, mask=mask)
+    return states
 
 
 def _learning_rate(opt_state):
