@@ -350,8 +350,8 @@ class Estimator:
         if totals is None:
             return None
         results = {}
-        for name, total in totals.items():
-            results.update(metrics_lib.results(name, total))
+        for name in sorted(totals, key=lambda n: n == metrics_lib.NUM_EXAMPLES):  # num_examples last
+            results.update(metrics_lib.results(name, totals[name]))
         if host_metrics is not None:
             results.update(host_metrics_lib.results(host_metrics, rows.rows(), results))
         return results
