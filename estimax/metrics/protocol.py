@@ -144,7 +144,7 @@ def config_of(state: Metric) -> dict:
 
 def empty_like(state: Metric) -> Metric:
     """The identity of ``state``'s merge, as host arrays of its shapes and dtypes (``state`` may be abstract)."""
-    empty = type(state).empty(**config_of(state))
+    empty = jax.device_get(type(state).empty(**config_of(state)))  # explicit: a user's empty() may use jnp
     try:
         return jax.tree.map(lambda e, s: np.broadcast_to(np.asarray(e, s.dtype), s.shape).copy(), empty, state)
     except (ValueError, TypeError) as error:
