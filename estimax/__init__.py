@@ -1,35 +1,48 @@
-"""estimax: one model definition trained, evaluated and predicted on every device."""
+"""estimax: one model definition trained, evaluated and predicted on every device.
 
-from estimax import data, distributed, metrics, models
-from estimax.checkpoint import CheckpointError
-from estimax.config import CheckpointPolicy, RunConfig
-from estimax.estimator import Estimator
-from estimax.hooks import EarlyStopping, Hook
-from estimax.preemption import PREEMPTED_EXIT_CODE, Preempted
-from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
-from estimax.state import TrainState
-from estimax.training import NonFiniteError
-from estimax.warm_start import WarmStart
+The public names are imported on first use (PEP 562), so that ``import
+estimax.cli`` (``estimax --help``, argument errors) does not import JAX, and
+``estimax.serving`` / ``estimax serve`` load an exported model without Flax.
+"""
 
-__all__ = [
-    "EVAL",
-    "PREDICT",
-    "PREEMPTED_EXIT_CODE",
-    "TRAIN",
-    "CheckpointError",
-    "CheckpointPolicy",
-    "EarlyStopping",
-    "Estimator",
-    "Hook",
-    "Mode",
-    "NonFiniteError",
-    "Preempted",
-    "RunConfig",
-    "Spec",
-    "TrainState",
-    "WarmStart",
-    "data",
-    "distributed",
-    "metrics",
-    "models",
-]
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_SUBMODULES = ("data", "distributed", "metrics", "models", "serving", "task", "trackers")
+_NAMES = {
+    "CheckpointError": "estimax.checkpoint",
+    "CheckpointPolicy": "estimax.config",
+    "RunConfig": "estimax.config",
+    "Estimator": "estimax.estimator",
+    "EarlyStopping": "estimax.hooks",
+    "Hook": "estimax.hooks",
+    "PREEMPTED_EXIT_CODE": "estimax.preemption",
+    "Preempted": "estimax.preemption",
+    "EVAL": "estimax.spec",
+    "PREDICT": "estimax.spec",
+    "TRAIN": "estimax.spec",
+    "Mode": "estimax.spec",
+    "Spec": "estimax.spec",
+    "TrainState": "estimax.state",
+    "NonFiniteError": "estimax.training",
+    "WarmStart": "estimax.warm_start",
+}
+
+__all__ = sorted([*_NAMES, *_SUBMODULES])
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"estimax.{name}")
+    if name not in _NAMES:
+        raise AttributeError(f"module 'estimax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,10 +1,15 @@
-"""The ``estimax`` command: train, evaluate and predict a bundled example.
+"""The ``estimax`` command: train, evaluate and predict a task module.
 
-``estimax train`` with no arguments trains the digits CNN on all local devices
-and ends with an evaluation of the held-out split; ``--example lstm`` and
-``--example time_distributed`` run the two 2018 device-loop programs;
-``--example mnist --data-dir DIR`` (or ``--data mnist``) trains the TF official
-MNIST model on MNIST's idx files (held out: the t10k files).
+``estimax train my_project.task`` (a module path or a ``.py`` file) runs any
+program that follows the task convention (``estimax/task.py``); ``--example
+NAME`` runs a bundled one (``estimax/examples/``), and ``estimax train`` with
+no task trains the digits CNN and evaluates its held-out split.
+
+Owns parsing and checking the arguments (without importing JAX, so that
+``--help`` and mistakes answer at once), mapping run-setting flags to
+``RunConfig`` fields (``RUN_FLAGS``: one line per flag), and printing
+estimax's errors as one line (exit 2; ``--debug`` shows the traceback).
+Owns no training: the commands call the ``Estimator``.
 
 With several processes (``--coordinator``, ``--num-processes``,
 ``--process-id``, the ``ESTIMAX_*`` variables, or a cluster JAX detects), each
@@ -16,74 +21,152 @@ this machine.
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
-import os
+import dataclasses
 import sys
-import time
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
 DEFAULT_EXAMPLE = "digits"
-DEFAULT_MODEL_DIR = os.path.join("runs", "digits")
+TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
+USER_ERROR_EXIT = 2
+FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    return _int(text, 0, "an integer >= 0")
+
+
+def _int(text: str, least: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < least:
+        raise argparse.ArgumentTypeError(f"received {text!r}; expected {what}")
+    return value
+
+
+def step_range(text: str) -> tuple[int, int]:
+    """``A:B`` with ``0 <= A < B``."""
+    parts = text.split(":")
+    try:
+        start, stop = (int(p) for p in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        start = stop = None
+    if start is None or not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"received {text!r}; expected A:B with 0 <= A < B, e.g. 100:110")
+    return start, stop
+
+
+def tracker(text: str) -> str:
+    """``mlflow`` or ``mlflow=URI`` (``TRACKERS``)."""
+    from estimax.trackers import TRACKERS
+
+    if text.partition("=")[0] not in TRACKERS:
+        raise argparse.ArgumentTypeError(
+            f"received {text!r}; expected one of {', '.join(TRACKERS)}, e.g. mlflow=http://host:5000"
+        )
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlag:
+    """A flag that sets one ``RunConfig`` field; unset, the task's ``DEFAULTS[dest]`` or RunConfig's default."""
+
+    flag: str
+    field: str
+    help: str
+    options: dict = dataclasses.field(default_factory=dict)  # argparse options: type, choices, action
+    commands: tuple[str, ...] = TASK_COMMANDS
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+TRAIN = ("train",)
+RUN_FLAGS = (
+    RunFlag("--batch-size", "train_batch_size", "global batch of a training step", {"type": positive_int}),
+    RunFlag("--eval-batch-size", "eval_batch_size", "batch of evaluation and prediction", {"type": positive_int}),
+    RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
+    RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
+    RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
+    RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
+    RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
+    RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
+    RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
+)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="estimax", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action=_Version, help="show the versions of estimax, Python, jax and flax")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in (
-        ("train", "train, then evaluate the held-out split"),
-        ("evaluate", "evaluate the latest checkpoint on the held-out split"),
-        ("predict", "predict the held-out split with the latest checkpoint"),
+        ("train", "train, then evaluate the held-out input"),
+        ("evaluate", "evaluate the latest checkpoint on the held-out input"),
+        ("predict", "predict the held-out input with the latest checkpoint"),
+        ("export", "write a checkpoint as a self-contained artifact (estimax serve, estimax.serving.load)"),
     ):
-        sub = commands.add_parser(name, help=help_text)
-        sub.add_argument(
-            "--example", choices=EXAMPLES, default=DEFAULT_EXAMPLE, help="the bundled example (default: digits)"
-        )
-        sub.add_argument(
-            "--data", choices=("digits", "mnist"), help="--data mnist is --example mnist (MNIST idx files)"
-        )
-        sub.add_argument("--data-dir", help="with --example mnist: directory (or fsspec URL) of the MNIST idx files")
-        sub.add_argument(
-            "--model-dir",
-            help=f"checkpoints and metrics.jsonl (default: {DEFAULT_MODEL_DIR}, runs/<example> for the others)",
-        )
-        sub.add_argument(
-            "--batch-size", type=int, help="global batch size (default: 128; 1024 for lstm and time_distributed)"
-        )
-        sub.add_argument("--seed", type=int, default=0, help="initialisation, dropout and shuffling seed")
+        sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}")
+        add_task_arguments(sub, name)
         if name == "train":
-            sub.add_argument("--max-steps", type=int, help="train until this step (default: 400; 10 for lstm, ...)")
-            sub.add_argument(
-                "--steps-per-loop", type=int, help="training steps per host round trip (default: 50; 2 for lstm, ...)"
-            )
-            sub.add_argument(
-                "--loop", choices=("auto", "scan", "step"), help="device loop mode (default: auto; scan for lstm, ...)"
-            )
-            sub.add_argument("--eval-every", type=int, help="also evaluate the held-out split every N steps")
-            sub.add_argument("--profile-steps", help="A:B: write a jax.profiler trace of steps A to B to the model_dir")
-            sub.add_argument("--quiet", action="store_true", help="no progress bar and no train log lines")
+            sub.add_argument("--max-steps", type=non_negative_int, help="train until this step")
+            sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
         if name == "predict":
-            sub.add_argument("--output", help="write one JSON line per example here (default: stdout summary)")
-        group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
-        group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
-        group.add_argument("--num-processes", type=int, help="processes in the group (ESTIMAX_NUM_PROCESSES)")
-        group.add_argument("--process-id", type=int, help="this process's index, 0 to N-1 (ESTIMAX_PROCESS_ID)")
+            sub.add_argument("--output", help="write one JSON line per example here (default: a summary)")
+        if name == "export":
+            sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
+            sub.add_argument("--checkpoint", help="STEP of the model dir or a checkpoint PATH (default: the latest)")
     launch = commands.add_parser(
         "launch",
         help="run a command as N processes on this machine, restarting the group on failure",
         usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
     )
     _launch_arguments(launch)
+    from estimax import server
+
+    server.add_arguments(commands.add_parser("serve", help="serve an exported model over TF Serving's REST API"))
     return parser
 
 
+def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
+    """The task, the run-setting flags of ``command`` and the multi-process flags (any command taking a task)."""
+    sub.add_argument("task", nargs="?", help="a task module (my_project.task) or .py file (default: --example)")
+    sub.add_argument("--example", choices=EXAMPLES, help="a bundled task (default: digits)")
+    sub.add_argument("--data", choices=("digits", "mnist"), help="--data mnist is --example mnist")
+    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist)")
+    sub.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", type=_assignment, help="override params[NAME]"
+    )
+    sub.add_argument("--model-dir", help="checkpoints and metrics.jsonl (default: runs/<task>)")
+    for run_flag in RUN_FLAGS:
+        if command in run_flag.commands:
+            sub.add_argument(run_flag.flag, dest=run_flag.dest, help=run_flag.help, **run_flag.options)
+    sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
+    group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
+    group.add_argument("--num-processes", type=positive_int, help="processes in the group (ESTIMAX_NUM_PROCESSES)")
+    group.add_argument("--process-id", type=non_negative_int, help="this process's index (ESTIMAX_PROCESS_ID)")
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name.strip():
+        raise argparse.ArgumentTypeError(f"received {text!r}; expected NAME=VALUE, e.g. --set learning_rate=0.01")
+    return name.strip(), value
+
+
 def _launch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-processes", type=int, required=True, help="processes to start on 127.0.0.1")
+    parser.add_argument("--num-processes", type=positive_int, required=True, help="processes to start on 127.0.0.1")
     parser.add_argument(
-        "--devices-per-process", type=int, help="simulate D CPU devices in each process (default: the real devices)"
+        "--devices-per-process", type=positive_int, help="simulate D CPU devices in each process (default: real ones)"
     )
     parser.add_argument(
-        "--max-restarts", type=int, default=0, help="restart the group from its latest checkpoint up to R times"
+        "--max-restarts", type=non_negative_int, default=0, help="restart the group from its checkpoint up to R times"
     )
 
 
@@ -106,89 +189,82 @@ def _launch(argv: list[str]) -> int:
         parser.error(str(error))
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """What argparse cannot see alone: flags that exclude or need each other. Exits 2 before any import."""
+
+    def error(message: str):
+        print(f"estimax {args.command}: error: {message}", file=sys.stderr)
+        raise SystemExit(USER_ERROR_EXIT)
+
+    if args.task and (args.example or args.data):
+        error(f"received the task {args.task!r} and --example/--data; expected one of them")
+    if args.example and args.data and args.example != args.data:
+        error(f"received --example {args.example} and --data {args.data}; expected one of them")
+    if not args.task:
+        args.task = f"estimax.examples.{args.data or args.example or DEFAULT_EXAMPLE}"
+    if args.process_id is not None and args.num_processes is not None and args.process_id >= args.num_processes:
+        error(
+            f"--process-id {args.process_id} with --num-processes {args.num_processes}; expected 0 to "
+            f"{args.num_processes - 1}"
+        )
+    names = [name for name, _ in args.set]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        error(f"--set {', '.join(repeated)} given more than once; expected each name once")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["launch"]:
         return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.data == "mnist":
-        args.example = "mnist"
-    if args.example == "mnist" and not args.data_dir:
-        parser.error("--data mnist needs --data-dir DIR holding train-images-idx3-ubyte[.gz] and the other idx files")
-    profile_steps = None
-    if getattr(args, "profile_steps", None):
-        try:
-            profile_steps = tuple(int(x) for x in args.profile_steps.split(":"))
-        except ValueError:
-            parser.error(f"--profile-steps {args.profile_steps!r}: expected A:B, e.g. 100:110")
-    from estimax import distributed
+    if args.command == "serve":  # the artifact only: no task, no model code, no Flax
+        from estimax import server
 
-    # Before anything touches devices: the mesh then spans every process's devices.
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    import jax
+        return server.main(args)
+    check_arguments(args)
+    try:
+        from estimax import commands
 
-    import estimax as ex
-
-    first = jax.process_index() == 0  # process 0 speaks for the group
-    example = importlib.import_module(f"estimax.examples.{args.example}")
-
-    def given_or_default(name: str, default_key: str):  # an explicit 0 still reaches RunConfig's check
-        value = getattr(args, name, None)
-        return example.DEFAULTS[default_key] if value is None else value
-
-    model_dir = args.model_dir or os.path.join("runs", args.example)
-    config = ex.RunConfig(
-        model_dir=model_dir,
-        train_batch_size=given_or_default("batch_size", "batch_size"),
-        seed=args.seed,
-        steps_per_loop=given_or_default("steps_per_loop", "steps_per_loop"),
-        loop=given_or_default("loop", "loop"),
-        quiet=getattr(args, "quiet", False),
-        profile_steps=profile_steps,
-    )
-    estimator = example.estimator(config)
-    train, held_out = example.load(args.data_dir) if args.example == "mnist" else example.load()
-    if args.command == "train":
-        start = time.perf_counter()
-        max_steps = given_or_default("max_steps", "max_steps")
-        if args.eval_every:
-            results = estimator.train_and_evaluate(
-                train, held_out, max_steps=max_steps, eval_every_steps=args.eval_every
-            )
-        else:
-            results = estimator.train(train, max_steps=max_steps).evaluate(held_out)
-        name = "accuracy" if "accuracy" in results else "loss"
-        print_once = print if first else _silent
-        print_once(
-            f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
-            f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
-        )
-    elif args.command == "evaluate":
-        if estimator.step == 0:
-            print(f"No checkpoint in {model_dir}: run `estimax train` first.", file=sys.stderr)
-            return 2
-        results = estimator.evaluate(held_out)
-        if first:
-            print(json.dumps(results))
-    else:
-        # Every process takes part; process 0 receives every example, in input order.
-        records = [example.prediction_record(row) for row in estimator.predict(held_out, gather=True)]
-        if not first:
-            return 0
-        summary = f"{len(records)} predictions"
-        if records and "class" in records[0]:
-            correct = sum(r["class"] == y for r, y in zip(records, held_out.labels, strict=True))
-            summary += f", {correct} match the labels"
-        if args.output:
-            with open(args.output, "w") as f:
-                f.writelines(json.dumps({"index": i, **r}) + "\n" for i, r in enumerate(records))
-        print(summary + (f"; written to {args.output}" if args.output else ""))
-    return 0
+        return commands.run(args)
+    except _user_errors() as error:
+        if args.debug:
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        print(f"estimax: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return USER_ERROR_EXIT
 
 
-def _silent(*args, **kwargs) -> None:
-    pass
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Mistakes in a task, its input or the settings, and estimax's own error classes (no traceback)."""
+    errors = [ValueError, TypeError, FileNotFoundError, ImportError]
+    for module, name in (("estimax.training", "NonFiniteError"), ("estimax.distributed", "SyncTimeout")):
+        if module in sys.modules:  # only once JAX is loaded: an error before that is none of these
+            errors.append(getattr(sys.modules[module], name))
+    return tuple(errors)
+
+
+class _Version(argparse.Action):
+    """``--version``: ``estimax X (Python Y, jax Z, flax W)`` from the installed metadata, without importing JAX."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib import metadata
+
+        from estimax import __version__
+
+        def installed(name: str) -> str:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                return "not installed"
+
+        python = sys.version.split()[0]
+        print(f"estimax {__version__} (Python {python}, jax {installed('jax')}, flax {installed('flax')})")
+        parser.exit()
 
 
 if __name__ == "__main__":

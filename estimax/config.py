@@ -12,6 +12,7 @@ import os
 
 from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
+from estimax.trackers import resolve as resolve_trackers
 
 LOOP_MODES = ("auto", "scan", "step")
 _UNSET = object()
@@ -101,6 +102,9 @@ class RunConfig:
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
+      trackers: also log the records of ``metrics.jsonl`` to experiment trackers:
+        ``"mlflow"``, ``"mlflow=URI"`` (a server or a local directory), or
+        ``estimax.trackers.MLflow(...)`` (see ``trackers.py``).
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
@@ -125,6 +129,7 @@ class RunConfig:
     sharding_rules: tuple = ()
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES
     sync_timeout_seconds: float = 300.0
+    trackers: tuple = ()
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -156,6 +161,7 @@ class RunConfig:
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
         if isinstance(self.fsdp_min_bytes, bool) or not isinstance(self.fsdp_min_bytes, int) or self.fsdp_min_bytes < 0:
             raise ValueError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
+        object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         if self.model_dir is not None:
             object.__setattr__(self, "model_dir", os.fspath(self.model_dir))
 

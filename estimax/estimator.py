@@ -20,11 +20,12 @@ import numpy as np
 import optax
 
 from estimax import checkpoint as checkpoint_lib
+from estimax import export as export_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
-from estimax import report
+from estimax import report, trackers
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -98,7 +99,9 @@ class Estimator:
         )
         self._warm_start = warm_start
         self._host_metrics = host_metrics
+        self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
+        self._feature_spec = None  # per-example shapes of the last input seen, for export()
         self._param_names = leaf_names(self._abstract_state.params)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
@@ -281,7 +284,8 @@ class Estimator:
             self._state, self._step, self._input_state = state, step, input_state
 
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, cfg.model_dir)
-        with feed.Prefetch(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size)) as chunks:
+        chunks = self._noting_features(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size), stacked=True)
+        with feed.Prefetch(chunks) as chunks:
             loop.run(state, info, chunks, publish, evaluation)
         if self._step < target and not loop.stopped:
             logger.info("Input ran out at step %d (before %d).", self._step, target)
@@ -296,15 +300,16 @@ class Estimator:
         return hooks + list(extra)
 
     def _writers(self) -> list:
-        """metrics.jsonl, TensorBoard and console writers; files on process 0 only."""
+        """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only."""
         cfg = self.config
         writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
-        if cfg.model_dir is None or jax.process_index() != 0:
+        if jax.process_index() != 0:
             return writers
-        writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
-        if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
-            writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
-        return writers
+        if cfg.model_dir is not None:
+            writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
+            if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
+                writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
+        return writers + trackers.writers(cfg, self.params, self._tracker_runs)
 
     # -- evaluate and predict --------------------------------------------------
     def evaluate(
@@ -364,7 +369,8 @@ class Estimator:
         if steps is not None:
             batches = itertools.islice(batches, steps)
         outputs = host_metrics_lib.OutputRows() if rows else None
-        with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
+        device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
             bar = self._eval_bar(input, batch_size, steps)
             try:
                 totals = self._evaluator().totals(state, bar.wrap(device_batches), should_stop, outputs)
@@ -398,7 +404,8 @@ class Estimator:
         rows = _gathered_rows if gather and jax.process_count() > 1 else _rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending = None
-        with feed.Prefetch(feed.eval_device_batches(batches, self.mesh, batch_size)) as device_batches:
+        device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
             for db in device_batches:
                 predictions = predict(state, db.batch)
                 if pending is not None:
@@ -406,6 +413,50 @@ class Estimator:
                 pending = (predictions, db.num_valid)
         if pending is not None:
             yield from rows(*pending)
+
+    def _noting_features(self, items: Iterator, stacked: bool = False) -> Iterator:
+        """``items`` (device chunks or batches) unchanged; remembers the first one's feature shapes."""
+        for i, item in enumerate(items):
+            if i == 0:
+                features = (item.stack if stacked else item.batch)[0]
+                self._feature_spec = export_lib.feature_spec(features, leading_axes=2 if stacked else 1)
+            yield item
+
+    # -- export ------------------------------------------------------------------
+    def export(
+        self, path: str, *, checkpoint: int | str | None = None, example_features=None, format: str = "jax"
+    ) -> str:
+        """Writes a self-contained artifact of the model to ``path``; returns that directory.
+
+        The artifact runs the PREDICT-mode model_fn without the model's code
+        (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
+        size. ``checkpoint``: a step of model_dir or a checkpoint path;
+        default: the current state (the latest checkpoint).
+        ``example_features``: a batch of features (arrays or
+        ``ShapeDtypeStruct``s, any batch size) or an ``ex.data.from_arrays``
+        dataset, giving each feature's shape and dtype; default: those of the
+        last input this Estimator trained, evaluated or predicted on.
+        ``format="tf_saved_model"``: a TensorFlow SavedModel instead (needs
+        ``pip install 'estimax[tf]'``).
+        """
+        if format not in ("jax", "tf_saved_model"):
+            raise ValueError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
+        if example_features is not None:
+            features = export_lib.feature_spec(getattr(example_features, "features", example_features))
+        elif self._feature_spec is not None:
+            features = self._feature_spec
+        else:
+            raise ValueError(
+                "export() needs the shape and dtype of each feature, and this Estimator has not seen any input "
+                "yet. Fix: pass a batch, e.g. `est.export(path, example_features={'image': images[:1]})`, or "
+                "call train/evaluate/predict first."
+            )
+        state = self._state_at(checkpoint)
+        if format == "tf_saved_model":
+            from estimax import export_tf
+
+            return export_tf.export(self._core, state, path, features)
+        return export_lib.export(self._core, state, path, features)
 
     def _evaluator(self) -> EvalRunner:
         if self._eval_runner is None:

@@ -127,7 +127,8 @@ def to_host_local(x) -> np.ndarray:
 
     Devices along a model axis hold copies of the same rows: each block is taken once.
     """
+    # Explicit transfers: jax >= 0.12 rejects np.asarray on a device array under transfer_guard("disallow").
     if x.is_fully_addressable:
-        return np.asarray(x)
+        return jax.device_get(x)
     blocks = {s.index[0].start or 0: s for s in x.addressable_shards}
-    return np.concatenate([np.asarray(blocks[start].data) for start in sorted(blocks)])
+    return np.concatenate([jax.device_get(blocks[start].data) for start in sorted(blocks)])

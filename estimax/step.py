@@ -65,10 +65,14 @@ class Core:
         return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
     def _call(self, params, state: TrainState, batch: Batch, mode: Mode, batch_size: int):
+        return self._apply(params, state.model_state, batch, mode, batch_size, self._key(state))
+
+    def _apply(self, params, model_state, batch: Batch, mode: Mode, batch_size, key):
+        """model_fn on these arrays; ``key=None``: no randomness (PREDICT)."""
         features, labels = batch
         if self.compute_dtype is not None:
             params, features = precision.cast_floating((params, features), self.compute_dtype)
-        module = self.adapter.bind(params, state.model_state, mode, self._key(state))
+        module = self.adapter.bind(params, model_state, mode, key)
         spec = check_spec(
             self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size}), mode, batch_size
         )
@@ -127,7 +131,14 @@ class Core:
         return {k: totals[k].merge(states[k]) for k in totals}, outputs
 
     def predict_step(self, state: TrainState, batch: Batch):
-        spec, _ = self._call(state.params, state, batch, PREDICT, _batch_size(batch))
+        return self.predictions(state.params, state.model_state, batch)
+
+    def predictions(self, params, model_state, batch: Batch):
+        """PREDICT-mode outputs: what ``predict()`` runs and what ``export()`` serializes.
+
+        No key: prediction is deterministic, and an exported program carries no randomness.
+        """
+        spec, _ = self._apply(params, model_state, batch, PREDICT, _batch_size(batch), None)
         return spec.predictions
 
 

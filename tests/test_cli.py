@@ -37,3 +37,73 @@ def test_train_then_evaluate_and_predict_in_new_processes(tmp_path):
     assert len(output.read_text().splitlines()) == 360
     records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
     assert {r["split"] for r in records} == {"train", "eval", "summary"}
+
+
+def _run(*args, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
+
+
+def test_help_version_and_argument_errors_do_not_import_jax():
+    # Each in a fresh interpreter: which modules `estimax --help` and a mistake load, not how long they take.
+    probe = (
+        "import sys\nfrom estimax import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
+        "    code = e.code\nprint('CODE', code, 'JAX', 'jax' in sys.modules, 'NUMPY', 'numpy' in sys.modules)"
+    )
+    for args, code in ((["--help"], 0), (["train", "--help"], 0), (["--version"], 0), (["train", "--seed", "x"], 2)):
+        result = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}
+        )
+        assert f"CODE {code} JAX False NUMPY False" in result.stdout, (args, result.stdout, result.stderr)
+    version = _run("--version").stdout
+    assert re.fullmatch(r"estimax \d+\.\d+\.\d+\S* \(Python 3\.\d+\.\d+, jax \S+, flax \S+\)\n", version), version
+
+
+def test_values_and_combinations_are_checked_before_anything_starts():
+    cases = {
+        ("train", "--seed", "-1"): r"argument --seed: received '-1'; expected an integer >= 0",
+        ("train", "--batch-size", "0"): r"argument --batch-size: received '0'; expected a positive integer",
+        ("train", "--profile-steps", "10"): r"argument --profile-steps: received '10'; expected A:B with 0 <= A < B",
+        ("train", "--profile-steps", "9:3"): r"received '9:3'; expected A:B with 0 <= A < B",
+        ("train", "--tracker", "neptune"): r"argument --tracker: received 'neptune'; expected one of mlflow",
+        ("train", "--set", "lr"): r"argument --set: received 'lr'; expected NAME=VALUE",
+        ("train", "--set", "a=1", "--set", "a=2"): r"--set a given more than once",
+        ("train", "my.task", "--example", "lstm"): r"received the task 'my.task' and --example/--data",
+        ("train", "--example", "lstm", "--data", "mnist"): r"received --example lstm and --data mnist",
+        (
+            "train",
+            "--num-processes",
+            "2",
+            "--process-id",
+            "2",
+        ): r"--process-id 2 with --num-processes 2; expected 0 to 1",
+        ("predict", "--max-steps=3"): r"unrecognized arguments: --max-steps=3",
+    }
+    for args, message in cases.items():
+        result = _run(*args)
+        assert result.returncode == 2 and re.search(message, result.stderr), (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
+    # Case 8 of the reliability issue: --data-dir without a task that reads files is never ignored.
+    result = _run("train", "--data-dir", str(tmp_path), cwd=tmp_path)
+    expected = rf"^estimax: error: --data-dir {tmp_path}: task 'digits' reads no data directory .* --data mnist"
+    assert result.returncode == 2 and re.search(expected, result.stderr, re.M), result.stderr
+    assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "runs")
+    # Predicting an untrained model refuses, like evaluate.
+    for command in ("predict", "evaluate"):
+        result = _run(command, "--model-dir", str(tmp_path / "empty"), cwd=tmp_path)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert re.search(rf"estimax: error: No checkpoint in {tmp_path}/empty: nothing trained", result.stderr)
+        assert "predictions" not in result.stdout
+    result = _run("train", "--set", "learning_rate=fast", cwd=tmp_path)
+    line = "estimax: error: --set learning_rate=fast: not a float like its default 0.001"
+    assert result.returncode == 2 and result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1
+    result = _run("train", "--set", "learning_rate=fast", "--debug", cwd=tmp_path)
+    assert (
+        result.returncode == 1 and "Traceback" in result.stderr and "ValueError: --set learning_rate" in result.stderr
+    )

@@ -19,7 +19,7 @@ def _idx_bytes(array: np.ndarray, magic: int) -> bytes:
     return header + array.astype(np.uint8).tobytes()
 
 
-def write_mnist(directory, split, n, seed=0, gz=False, fs_prefix=""):
+def write_mnist(directory, split, n, seed=0, gz=False, fs_prefix="", sep="-"):
     """Small MNIST-like idx files: digit k is a bright square at a position given by k."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n).astype(np.uint8)
@@ -28,7 +28,9 @@ def write_mnist(directory, split, n, seed=0, gz=False, fs_prefix=""):
         r, c = divmod(int(k), 5)
         images[i, 4 + 10 * r : 12 + 10 * r, 1 + 5 * c : 5 + 5 * c] = 255
     for kind, array, magic in (("images", images, 2051), ("labels", labels, 2049)):
-        name = f"{fs_prefix}{directory}/{split}-{kind}-idx{3 if kind == 'images' else 1}-ubyte" + (".gz" if gz else "")
+        name = f"{fs_prefix}{directory}/{split}-{kind}{sep}idx{3 if kind == 'images' else 1}-ubyte" + (
+            ".gz" if gz else ""
+        )
         data = _idx_bytes(array, magic)
         with fsspec.open(name, "wb") as f:
             f.write(gzip.compress(data) if gz else data)
@@ -59,8 +61,31 @@ def test_idx_headers_are_validated(tmp_path):
     (tmp_path / "train-labels-idx1-ubyte").write_bytes(_idx_bytes(np.zeros(4), 2049))
     with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte: 4 labels; expected 5, one per image"):
         idx.mnist(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"No t10k-images-idx3-ubyte or t10k-images-idx3-ubyte.gz"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"No MNIST t10k images in .*: looked for t10k-images-idx3-ubyte, t10k-images-idx3-ubyte.gz, "
+        r"t10k-images.idx3-ubyte, t10k-images.idx3-ubyte.gz; the directory holds a-images-idx3-ubyte, "
+        r"b-images-idx3-ubyte, train-images-idx3-ubyte, train-labels-idx1-ubyte\.",
+    ):
         idx.mnist(tmp_path, "t10k")
+    with pytest.raises(FileNotFoundError, match=r"'.*/absent' is not a directory; expected the directory"):
+        idx.mnist(tmp_path / "absent")
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_mnist_files_named_with_a_dot_before_idx_are_found(tmp_path, gz):
+    images, labels = write_mnist(tmp_path, "train", 20, gz=gz, sep=".")
+    data = idx.mnist(tmp_path, "train")
+    np.testing.assert_array_equal(data.labels, labels)
+    np.testing.assert_allclose(data.features["image"], images / 255.0)
+
+
+def test_a_truncated_gz_file_is_named(tmp_path):
+    write_mnist(tmp_path, "train", 20, gz=True)
+    path = tmp_path / "train-images-idx3-ubyte.gz"
+    path.write_bytes(path.read_bytes()[:-30])
+    with pytest.raises(ValueError, match=rf"{path}: not a complete gzip file .*; expected the whole download"):
+        idx.mnist(tmp_path, "train")
 
 
 def test_cli_trains_the_cnn_on_mnist_idx_files(tmp_path, capsys):
@@ -73,9 +98,8 @@ def test_cli_trains_the_cnn_on_mnist_idx_files(tmp_path, capsys):
     cli.main(["evaluate", *common])
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert results["num_examples"] == 100
-    with pytest.raises(SystemExit):
-        cli.main(["train", "--data", "mnist"])
-    assert "--data mnist needs --data-dir" in capsys.readouterr().err
+    assert cli.main(["train", "--data", "mnist"]) == 2
+    assert "The mnist task received no data_dir" in capsys.readouterr().err
 
 
 # -- TFRecord ----------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob as glob_lib
 import gzip
 import os
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -27,6 +28,19 @@ class File(NamedTuple):
     def open(self):
         handle = self.fs.open(self.path, "rb")
         return gzip.GzipFile(fileobj=handle) if self.path.endswith(".gz") else handle
+
+    def read(self) -> bytes:
+        """The whole file, decompressed if ``.gz``; a damaged ``.gz`` is an error naming the file."""
+        with self.open() as f:
+            try:
+                return f.read()
+            except (EOFError, OSError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
+                if not self.path.endswith(".gz"):
+                    raise
+                raise ValueError(
+                    f"{self.name}: not a complete gzip file ({error}); expected the whole download. "
+                    "Fix: download it again, or gunzip a good copy."
+                ) from None
 
     def read_range(self, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path, start=start, end=end)
@@ -50,6 +64,14 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
     if not files:
         raise FileNotFoundError("Input files: received an empty list; expected at least one path.")
     return files
+
+
+def listing(directory: str | os.PathLike) -> list[str]:
+    """The names of the files in ``directory`` (any fsspec URL); raises if it is not a directory."""
+    fs, path = fsspec.core.url_to_fs(os.fspath(directory))
+    if not fs.isdir(path):
+        raise FileNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
+    return [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
 
 
 def _display(pattern: str, fs, path: str) -> str:

@@ -1,5 +1,9 @@
 """MNIST-style idx files: ``*-images-idx3-ubyte[.gz]`` and ``*-labels-idx1-ubyte[.gz]``.
 
+Both naming styles in circulation are found: ``train-images-idx3-ubyte`` (the
+original files) and ``train-images.idx3-ubyte`` (a widely used copy), each
+gzipped or not.
+
 Owns reading and validating idx files (magic number, dimensions against the
 file length, equal image and label counts) into arrays, and the ``mnist``
 source built on ``from_arrays``. Errors name the file, the value found and
@@ -21,8 +25,7 @@ IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049  # unsigned bytes, 3 and 1 dimensions
 def read_idx(path: str | os.PathLike, magic: int) -> np.ndarray:
     """The uint8 array of an idx file whose magic number must be ``magic``."""
     (file,) = files_lib.expand(path)
-    with file.open() as f:
-        data = f.read()
+    data = file.read()
     if len(data) < 4:
         raise ValueError(f"{file.name}: {len(data)} bytes; expected an idx header of at least 4 bytes.")
     found = int.from_bytes(data[:4], "big")
@@ -45,16 +48,24 @@ def read_idx(path: str | os.PathLike, magic: int) -> np.ndarray:
     return np.frombuffer(data, np.uint8, offset=header).reshape(shape)
 
 
+def names(split: str, kind: str) -> list[str]:
+    """The file names ``find`` accepts, in order of preference."""
+    suffix = f"idx{3 if kind == 'images' else 1}-ubyte"
+    return [f"{split}-{kind}{sep}{suffix}{gz}" for sep in ("-", ".") for gz in ("", ".gz")]
+
+
 def find(data_dir: str | os.PathLike, split: str, kind: str) -> str:
-    """``<data_dir>/<split>-<kind>-idx?-ubyte`` or the same ``.gz``."""
-    name = f"{split}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"
+    """``<data_dir>/<split>-<kind>-idx?-ubyte`` or ``<split>-<kind>.idx?-ubyte``, either one ``.gz`` or not."""
     base = os.fspath(data_dir).rstrip("/")
-    for candidate in (f"{base}/{name}", f"{base}/{name}.gz"):
-        try:
-            return files_lib.expand(candidate)[0].name
-        except FileNotFoundError:
-            continue
-    raise FileNotFoundError(f"No {name} or {name}.gz in {os.fspath(data_dir)!r}; expected the MNIST idx files there.")
+    present = files_lib.listing(base)
+    for name in names(split, kind):
+        if name in present:
+            return f"{base}/{name}"
+    shown = ", ".join(sorted(present)[:20]) + (f" and {len(present) - 20} more" if len(present) > 20 else "")
+    raise FileNotFoundError(
+        f"No MNIST {split} {kind} in {os.fspath(data_dir)!r}: looked for {', '.join(names(split, kind))}; "
+        f"the directory holds {shown or 'no files'}. Fix: --data-dir the directory of the idx files."
+    )
 
 
 def mnist(data_dir: str | os.PathLike, split: str = "train") -> ArrayDataset:

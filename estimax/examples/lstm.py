@@ -19,8 +19,11 @@ import estimax as ex
 from estimax.examples import regression
 
 INPUT_SHAPE = (10, 10)  # (time steps, features)
+# A task module (estimax/task.py): what the two 2018 programs share comes from regression.py.
 DEFAULTS = regression.DEFAULTS
+params = regression.params
 model_fn = regression.model_fn
+optimizer = regression.optimizer
 prediction_record = regression.prediction_record
 
 
@@ -39,8 +42,19 @@ class LSTM(nnx.Module):
         return hidden
 
 
-def build_model(rngs: nnx.Rngs, params: dict) -> LSTM:
+def model(rngs: nnx.Rngs, params: dict) -> LSTM:
     return LSTM(INPUT_SHAPE[1], regression.NUM_OUTPUTS, rngs=rngs)
+
+
+build_model = model  # its name before task modules
+
+
+def train_input(params: dict) -> ex.data.ArrayDataset:
+    return regression.random_data(INPUT_SHAPE, params["num_examples"], seed=0)
+
+
+def eval_input(params: dict) -> ex.data.ArrayDataset:
+    return regression.random_data(INPUT_SHAPE, params["num_examples"], seed=1)
 
 
 def load(num_examples: int = regression.NUM_EXAMPLES):
@@ -48,7 +62,7 @@ def load(num_examples: int = regression.NUM_EXAMPLES):
 
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:
-    return regression.estimator(build_model, config)
+    return regression.estimator(model, config)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,11 @@ import estimax as ex
 from estimax.examples import regression
 
 INPUT_SHAPE = (10, 10, 10)  # (time steps, rows, features)
+# A task module (estimax/task.py): what the two 2018 programs share comes from regression.py.
 DEFAULTS = regression.DEFAULTS
+params = regression.params
 model_fn = regression.model_fn
+optimizer = regression.optimizer
 prediction_record = regression.prediction_record
 
 
@@ -45,8 +48,19 @@ class DenseMaxPool(nnx.Module):
         return jnp.max(self.dense(x), axis=(1, 2))
 
 
-def build_model(rngs: nnx.Rngs, params: dict) -> TimeDistributed:
+def model(rngs: nnx.Rngs, params: dict) -> TimeDistributed:
     return TimeDistributed(DenseMaxPool(INPUT_SHAPE[2], regression.NUM_OUTPUTS, rngs=rngs))
+
+
+build_model = model  # its name before task modules
+
+
+def train_input(params: dict) -> ex.data.ArrayDataset:
+    return regression.random_data(INPUT_SHAPE, params["num_examples"], seed=0)
+
+
+def eval_input(params: dict) -> ex.data.ArrayDataset:
+    return regression.random_data(INPUT_SHAPE, params["num_examples"], seed=1)
 
 
 def load(num_examples: int = regression.NUM_EXAMPLES):
@@ -54,7 +68,7 @@ def load(num_examples: int = regression.NUM_EXAMPLES):
 
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:
-    return regression.estimator(build_model, config)
+    return regression.estimator(model, config)
 
 
 if __name__ == "__main__":

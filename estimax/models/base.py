@@ -33,7 +33,8 @@ class Adapter(Protocol):
         """The callable handed to ``model_fn`` as ``model``, over these arrays (traceable).
 
         ``mode`` selects train or eval behaviour (dropout, batch statistics);
-        ``key`` is the step's key, the only source of randomness.
+        ``key`` is the step's key, the only source of randomness; ``None`` in
+        PREDICT, where nothing may be random (an exported program has no key).
         """
 
     def model_state(self, model: Any) -> ModelState:

@@ -66,7 +66,8 @@ class KerasAdapter:
 
     def bind(self, params, model_state, mode: Mode, key) -> KerasModel:
         state = list(model_state)
-        for i in self._seed_slots:  # dropout draws from the step's key, like every other adapter
+        # Dropout draws from the step's key, like every other adapter; PREDICT has none.
+        for i in self._seed_slots if key is not None else ():
             seed = jax.random.key_data(jax.random.fold_in(key, zlib.crc32(str(i).encode())))
             if seed.shape == state[i].shape:
                 state[i] = seed.astype(state[i].dtype)

@@ -93,7 +93,7 @@ class LinenModel:
         self._mutable, self._key, self._rng_streams, self._calls = mutable, key, rng_streams, 0
 
     def __call__(self, *args, method=None, **kwargs):
-        rngs = _stream_keys(jax.random.fold_in(self._key, self._calls), self._rng_streams)
+        rngs = {} if self._key is None else _stream_keys(jax.random.fold_in(self._key, self._calls), self._rng_streams)
         self._calls += 1
         variables = {"params": self.params, **self.state}
         if not self._mutable:

@@ -76,7 +76,7 @@ class NNXAdapter:
         # copy=True: fresh Variables at this trace level, so batch statistics can be updated
         # inside the gradient trace (the state came from the enclosing loop).
         module = nnx.merge(graph, params, rngs, model_state, copy=True)
-        if self._rng_tags:
+        if self._rng_tags and key is not None:  # None (PREDICT): streams keep placeholder keys
             nnx.reseed(module, **{t: jax.random.fold_in(key, zlib.crc32(t.encode())) for t in self._rng_tags})
         return module
 

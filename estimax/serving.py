@@ -1,0 +1,272 @@
+"""Loading an exported model: ``load(path)`` -> a callable on a dict of numpy arrays.
+
+Owns reading and verifying an artifact written by ``estimax.export`` (every
+file checked against ``signature.json``, a damaged one named), validating
+and casting inputs against the signature, and running the program on any
+batch size. Needs only jax, numpy and Orbax: never Flax, never the model's
+code. Does not own HTTP (``server.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+import jax
+import numpy as np
+
+from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
+
+# jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
+# exporter. JAX releases a minor version about every two months, with patch releases within it, so
+# versions stand in for dates: newer by more than 3 minor versions, or older by more than a patch.
+NEWER_MINORS_SUPPORTED = 3
+
+
+class ArtifactError(ValueError):
+    """An exported model that cannot be loaded: missing, truncated or altered files."""
+
+
+class ExportedModel:
+    """A loaded artifact; ``model(features)`` returns the predictions for a batch.
+
+    ``features``: a dict name -> array (or one array when the model takes one),
+    every array with the same leading batch axis, any size including 0.
+    Returns a dict name -> array (or one array when the model returns one).
+    """
+
+    def __init__(self, path: str, signature: dict, exported, arrays: dict):
+        self.path, self.signature = path, signature
+        self.step: int = signature["step"]
+        self.inputs = {k: _Spec(v) for k, v in signature["inputs"].items()}
+        self.outputs = {k: _Spec(v) for k, v in signature["outputs"].items()}
+        self._arrays = jax.device_put(arrays)  # once: not copied to the device per call
+        self._call = jax.jit(exported.call)
+
+    def __call__(self, features):
+        return self.unwrap(self.run(self.prepare(features)))
+
+    def prepare(self, features) -> dict[str, np.ndarray]:
+        """``features`` checked against the signature and cast to its dtypes; raises ValueError/TypeError."""
+        if not isinstance(features, dict):
+            if len(self.inputs) != 1:
+                raise TypeError(
+                    f"The model takes features {sorted(self.inputs)}; received {type(features).__name__}. "
+                    "Expected a dict name -> array."
+                )
+            features = {next(iter(self.inputs)): features}
+        missing, extra = sorted(set(self.inputs) - set(features)), sorted(set(features) - set(self.inputs))
+        if missing or extra:
+            raise ValueError(
+                f"Features {sorted(map(str, features))} do not match the signature: "
+                + "; ".join(([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []))
+                + f". Expected exactly {sorted(self.inputs)}."
+            )
+        prepared = {name: self.inputs[name].check(name, value) for name, value in features.items()}
+        sizes = {name: len(x) for name, x in prepared.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Features have different batch sizes {sizes}; expected one leading batch axis.")
+        return prepared
+
+    def run(self, prepared: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The predictions of ``prepare``'s output, a dict name -> numpy array."""
+        batch = len(next(iter(prepared.values())))
+        if batch == 0:  # jax.export needs b >= 1: the empty answer needs no program
+            return {name: np.zeros((0, *spec.trailing), spec.dtype) for name, spec in self.outputs.items()}
+        return jax.device_get(self._call(self._arrays, prepared))
+
+    def unwrap(self, outputs: dict):
+        """One array when the model returns one array (as ``predict()`` does), else the dict."""
+        return outputs[SINGLE_OUTPUT] if self.signature["single_output"] else outputs
+
+
+class _Spec:
+    """One input or output of the signature: dtype and shape after the batch axis."""
+
+    def __init__(self, entry: dict):
+        self.dtype = np.dtype(jax.numpy.dtype(entry["dtype"]))
+        self.trailing = tuple(entry["shape"][1:])
+        self.text = f"{entry['dtype']}[{', '.join(map(str, entry['shape']))}]"
+
+    def check(self, name: str, value) -> np.ndarray:
+        try:
+            x = np.asarray(value)
+        except ValueError as error:  # ragged nested lists
+            raise ValueError(
+                f"Feature {name!r} is not a rectangular array ({error}); the signature says {self.text}."
+            ) from None
+        if x.dtype == object:
+            raise ValueError(f"Feature {name!r} is not a rectangular array of numbers; the signature says {self.text}.")
+        if x.ndim == 0 or x.shape[1:] != self.trailing:
+            raise ValueError(
+                f"Feature {name!r} has shape {x.shape}; the signature says {self.text} ({BATCH}: any batch size). "
+                f"Expected shape (batch, {', '.join(map(str, self.trailing))})."
+            )
+        return self._cast(name, x)
+
+    def _cast(self, name: str, x: np.ndarray) -> np.ndarray:
+        if x.dtype == self.dtype:
+            return x
+        if np.can_cast(x.dtype, self.dtype, "same_kind") and _kind(x.dtype) == _kind(self.dtype) == "f":
+            return x.astype(self.dtype)  # float64 -> float32: rounding only, as in any float pipeline
+        if _kind(x.dtype) in "biu" and _kind(self.dtype) in "biuf":
+            cast = x.astype(self.dtype)
+            if x.size == 0 or np.array_equal(cast.astype(x.dtype), x):
+                return cast  # integers that fit exactly (int64 -> int32, int -> float32 pixel values)
+            raise ValueError(
+                f"Feature {name!r} has {x.dtype} values that do not fit {self.dtype} exactly (e.g. "
+                f"{_first_lossy(x, cast)}); the signature says {self.text}. Fix: send values in range."
+            )
+        raise TypeError(
+            f"Feature {name!r} has dtype {x.dtype}; the signature says {self.text}, and casting "
+            f"{x.dtype} to {self.dtype} would lose information. Fix: send {self.dtype} values."
+        )
+
+
+def load(path: str) -> ExportedModel:
+    """The model exported to ``path`` by ``Estimator.export``, ready to call on numpy arrays."""
+    from jax import export as jax_export
+
+    path = os.path.abspath(os.fspath(path))
+    signature = _read_signature(path)
+    program_path = os.path.join(path, signature["program"])
+    program = _read_bytes(program_path)
+    if _sha256(program) != signature["program_sha256"]:
+        raise ArtifactError(
+            f"{program_path} differs from what was exported (checksum mismatch: truncated or altered); "
+            "expected the file written with its signature.json. Fix: export the model again."
+        )
+    try:
+        exported = jax_export.deserialize(bytearray(program))
+    except Exception as error:
+        raise ArtifactError(f"{program_path} cannot be deserialized by jax {jax.__version__}: {error}") from error
+    _check_program(path, signature, exported)
+    arrays = _read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
+    _warn_outside_window(path, signature["versions"]["jaxlib"])
+    return ExportedModel(path, signature, exported, arrays)
+
+
+def _read_signature(path: str) -> dict:
+    file = os.path.join(path, SIGNATURE)
+    if not os.path.isdir(path):
+        raise ArtifactError(f"{path} is not a directory; expected the directory written by Estimator.export().")
+    try:
+        with open(file) as f:
+            signature = json.load(f)
+    except FileNotFoundError:
+        raise ArtifactError(f"{file} is missing; expected the directory written by Estimator.export().") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"{file} is not valid JSON ({error}): truncated or altered. Fix: export again.") from None
+    required = ("format", "program", "program_sha256", "params", "param_arrays", "inputs", "outputs", "step")
+    if (
+        not isinstance(signature, dict)
+        or signature.get("format") != FORMAT
+        or not all(k in signature for k in required)
+    ):
+        raise ArtifactError(
+            f"{file} is not an estimax export signature ({FORMAT}); expected the keys {list(required)}. "
+            "Fix: export the model again with this version of estimax."
+        )
+    signature.setdefault("versions", {}).setdefault("jaxlib", "unknown")
+    return signature
+
+
+def _read_bytes(file: str) -> bytes:
+    try:
+        with open(file, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise ArtifactError(f"{file} cannot be read ({error.strerror}); expected the exported program.") from None
+
+
+def _check_program(path: str, signature: dict, exported) -> None:
+    """The program's inputs and outputs must be what signature.json says (an edited signature fails here)."""
+    in_avals = jax.tree.unflatten(exported.in_tree, exported.in_avals)[0]
+    out_avals = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    program = {
+        "param_arrays": {k: _describe(v) for k, v in in_avals[0].items()},
+        "inputs": {k: _describe(v) for k, v in in_avals[1].items()},
+        "outputs": {k: _describe(v) for k, v in out_avals.items()},
+    }
+    for key, described in program.items():
+        listed = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in signature[key].items()}
+        if listed != described:
+            raise ArtifactError(
+                f"{os.path.join(path, SIGNATURE)} does not match {signature['program']}: its {key!r} are {listed}, "
+                f"the program's are {described}. The signature was altered; fix: export the model again."
+            )
+
+
+def _describe(aval) -> dict:
+    return {"dtype": np.dtype(aval.dtype).name, "shape": [d if isinstance(d, int) else str(d) for d in aval.shape]}
+
+
+def _read_params(directory: str, expected: dict) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    try:
+        arrays = ocp.PyTreeCheckpointer().restore(directory)  # no target: numpy arrays
+    except Exception as error:  # truncated tensorstore files, missing metadata
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise ArtifactError(
+            f"{directory} cannot be restored ({type(error).__name__}: {first}); expected the parameter "
+            "checkpoint written by Estimator.export(). Fix: export the model again."
+        ) from None
+    arrays = {k: np.asarray(v) for k, v in arrays.items()}
+    if sorted(arrays) != sorted(expected):
+        raise ArtifactError(
+            f"{directory} holds arrays {sorted(arrays)}; signature.json lists {sorted(expected)}. Fix: export again."
+        )
+    for name, entry in expected.items():
+        if array_sha256(arrays[name]) != entry["sha256"]:
+            raise ArtifactError(
+                f"{directory}: array {name!r} differs from what was exported (checksum mismatch: altered or "
+                "truncated). Fix: export the model again."
+            )
+    return arrays
+
+
+def _warn_outside_window(path: str, exporter: str) -> None:
+    import jaxlib
+
+    running, exported = _version(jaxlib.__version__), _version(exporter)
+    if running is None or exported is None:
+        return
+    newer = running[:2] > exported[:2] and (
+        running[0] > exported[0] or running[1] - exported[1] > NEWER_MINORS_SUPPORTED
+    )
+    older = running[:2] < exported[:2] or (running[:2] == exported[:2] and exported[2] - running[2] > 1)
+    if newer or older:
+        warnings.warn(
+            f"{path} was exported with jaxlib {exporter}; this is jaxlib {jaxlib.__version__}, "
+            f"{'newer' if newer else 'older'} than jax.export supports (about 6 months newer to 3 weeks "
+            f"older than the exporter). It may fail or misbehave. Fix: export again with this jaxlib, or "
+            f"run with jaxlib {exporter}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _version(text: str) -> tuple[int, int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", text)
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
+def _kind(dtype) -> str:
+    return "f" if np.issubdtype(dtype, np.floating) else np.dtype(dtype).kind
+
+
+def _first_lossy(x: np.ndarray, cast: np.ndarray):
+    index = np.argwhere(cast.astype(x.dtype) != x)[0]
+    return x[tuple(index)].item()
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+__all__ = ["ArtifactError", "ExportedModel", "load"]
