@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import sys
 
-EXAMPLES = ("digits", "mnist", "lstm", "time_distributed")
+EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
 TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 USER_ERROR_EXIT = 2
@@ -95,6 +95,7 @@ RUN_FLAGS = (
     RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
     RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
     RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
+    RunFlag("--grad-accum", "grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN),
     RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
     RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
@@ -138,7 +139,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     sub.add_argument("task", nargs="?", help="a task module (my_project.task) or .py file (default: --example)")
     sub.add_argument("--example", choices=EXAMPLES, help="a bundled task (default: digits)")
     sub.add_argument("--data", choices=("digits", "mnist"), help="--data mnist is --example mnist")
-    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist)")
+    sub.add_argument("--data-dir", help="--set data_dir=DIR, for tasks that read files (--example mnist, lm)")
     sub.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", type=_assignment, help="override params[NAME]"
     )

@@ -73,7 +73,7 @@ def train(args, task, estimator, first: bool) -> int:
         )
     else:
         results = estimator.train(train_input, max_steps=max_steps).evaluate(eval_input)
-    name = "accuracy" if "accuracy" in results else "loss"
+    name = next((n for n in ("accuracy", "bits_per_byte") if n in results), "loss")
     if first:
         print(
             f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "

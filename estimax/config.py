@@ -99,6 +99,10 @@ class RunConfig:
       compute_dtype: ``"bfloat16"`` (or ``"float16"``) runs the model in that dtype
         while parameters and optimizer state stay float32 (see ``precision.py``);
         ``None``: compute in the parameters' dtype.
+      grad_accum_steps: split each training batch into this many micro-batches,
+        run one after the other, and make one optimizer update from their summed
+        gradients (``accumulation.py``): ``train_batch_size`` stays the batch of
+        one step and activation memory falls to that of a micro-batch.
       save_every_steps: shorthand for ``checkpoint.every_steps`` (``None``: only
         at the end and on preemption).
       keep_checkpoints: shorthand for ``checkpoint.keep``.
@@ -129,6 +133,7 @@ class RunConfig:
     sharding_rules: tuple = ()
     fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES
     sync_timeout_seconds: float = 300.0
+    grad_accum_steps: int = 1
     trackers: tuple = ()
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
@@ -138,8 +143,16 @@ class RunConfig:
         shorthands = {k: v for k, v in shorthands.items() if v is not _UNSET}
         if shorthands:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
-        for name in ("train_batch_size", "steps_per_loop", "log_every_steps"):
+        for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
             _check_positive("RunConfig", name, getattr(self, name))
+        if self.train_batch_size % self.grad_accum_steps:
+            lower = self.train_batch_size // self.grad_accum_steps * self.grad_accum_steps
+            nearest = " or ".join(str(b) for b in (lower, lower + self.grad_accum_steps) if b > 0)
+            raise ValueError(
+                f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
+                f"grad_accum_steps={self.grad_accum_steps} equal micro-batches; expected a multiple of "
+                f"{self.grad_accum_steps}. Fix: use train_batch_size {nearest}."
+            )
         if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
             raise ValueError(
                 f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."

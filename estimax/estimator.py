@@ -19,13 +19,13 @@ import jax
 import numpy as np
 import optax
 
+from estimax import accumulation, report, trackers
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
-from estimax import report, trackers
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -86,7 +86,9 @@ class Estimator:
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices), config.mesh)
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
-            self._core = Core(adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype)
+            self._core = Core(
+                adapter, model_fn, optimizer, self.params, config.seed, config.compute_dtype, config.grad_accum_steps
+            )
             self._abstract_state = jax.eval_shape(self._core.init_state)  # shapes only: traced once
         self.layout = layout_lib.build(
             self.mesh, self._abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes
@@ -103,6 +105,7 @@ class Estimator:
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
         self._feature_spec = None  # per-example shapes of the last input seen, for export()
         self._param_names = leaf_names(self._abstract_state.params)
+        accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
         self._eval_runner: EvalRunner | None = None
         report.ensure_console()
@@ -246,6 +249,8 @@ class Estimator:
 
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         cfg = self.config
+        if cfg.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
+            accumulation.check_batch_size(cfg.train_batch_size, cfg.grad_accum_steps, self.layout.batch)
         mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
         host_batch = cfg.train_batch_size // jax.process_count()
         state = self._ensure_state()

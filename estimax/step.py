@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from estimax import accumulation, precision
 from estimax import metrics as metrics_lib
-from estimax import precision
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 
@@ -32,6 +32,7 @@ class Core:
       hparams: the user's params; ``batch_size`` is set per mode by the caller.
       seed: the base key of initialisation and per-step randomness.
       compute_dtype: the dtype the model runs in (mixed precision), or None.
+      grad_accum_steps: micro-batches per optimizer step (``accumulation.py``).
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class Core:
         hparams: dict,
         seed: int,
         compute_dtype: str | None = None,
+        grad_accum_steps: int = 1,
     ):
         self.adapter = adapter
         self.model_fn = model_fn
@@ -49,6 +51,7 @@ class Core:
         self.hparams = hparams
         self.seed = seed
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+        self.grad_accum_steps = grad_accum_steps
 
     # -- state ---------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -90,7 +93,10 @@ class Core:
             # The carry of the device loop keeps its dtypes, whatever the compute dtype.
             return jnp.mean(spec.loss), (spec, precision.like(self.adapter.model_state(module), state.model_state))
 
-        (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if self.grad_accum_steps == 1:
+            (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        else:
+            loss, spec, model_state, grads = self._accumulated_grads(state, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # One pass over the gradients: per-parameter sums of squares give the global norm, and
@@ -103,6 +109,26 @@ class Core:
             outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
         outputs.update(metrics_lib.train_outputs(spec.metrics, batch_size))  # metric inputs: per-step states
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
+
+    def _accumulated_grads(self, state: TrainState, batch: Batch):
+        """What ``train_step`` needs of the batch (its loss, a Spec of its metric means, the next
+        model state, the gradient), summed over ``grad_accum_steps`` strided micro-batches.
+
+        Micro-batch ``i`` draws its randomness from ``fold_in(step key, i)`` and starts
+        from the model state the previous one left (batch statistics update once per
+        micro-batch).
+        """
+        micro_batch_size = _batch_size(batch) // self.grad_accum_steps
+
+        def loss_fn(params, model_state, micro_batch, index):
+            key = jax.random.fold_in(self._key(state), index)
+            spec, module = self._apply(params, model_state, micro_batch, TRAIN, micro_batch_size, key)
+            return spec.loss, (spec.metrics or {}, precision.like(self.adapter.model_state(module), model_state))
+
+        loss, metrics, model_state, grads = accumulation.accumulate(
+            loss_fn, state.params, state.model_state, batch, self.grad_accum_steps
+        )
+        return loss, Spec(loss=loss, metrics=metrics), model_state, grads
 
     def train_loop(self, state: TrainState, stack: Batch) -> tuple[TrainState, dict]:
         """``steps_per_loop`` steps as one ``lax.scan`` over a stack of batches."""

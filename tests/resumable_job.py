@@ -1,10 +1,11 @@
-"""A training job for the kill/resume tests: `python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate|fsdp]`.
+"""A training job for the kill/resume tests:
+`python tests/resumable_job.py MODEL_DIR MAX_STEPS [evaluate|fsdp] [accum=A]`.
 
 Saves every step (so that a save is nearly always in flight) and logs every
 step, one step per loop, on the 8 simulated devices the tests use. With
 ``evaluate``, runs train_and_evaluate with a slow evaluation input that says
 "evaluating" when it starts; with ``fsdp``, parameters and Adam's state are
-sharded over ``fsdp=8``.
+sharded over ``fsdp=8``; with ``accum=A``, gradients accumulate over A micro-batches.
 """
 
 import os
@@ -30,9 +31,19 @@ def slow_evaluation(batches=200):
 
 if __name__ == "__main__":
     model_dir, max_steps = sys.argv[1], int(sys.argv[2])
-    sharded = dict(mesh={"fsdp": 8}, fsdp_min_bytes=0, optimizer=optax.adam(1e-2)) if sys.argv[3:] == ["fsdp"] else {}
-    est = estimator(model_dir, loop="scan", steps_per_loop=1, log_every_steps=1, save_every_steps=1, **sharded)
-    if sys.argv[3:] == ["evaluate"]:
+    options = dict(a.split("=") for a in sys.argv[3:] if "=" in a)
+    flags = [a for a in sys.argv[3:] if "=" not in a]
+    sharded = dict(mesh={"fsdp": 8}, fsdp_min_bytes=0, optimizer=optax.adam(1e-2)) if flags == ["fsdp"] else {}
+    est = estimator(
+        model_dir,
+        loop="scan",
+        steps_per_loop=1,
+        log_every_steps=1,
+        save_every_steps=1,
+        grad_accum_steps=int(options.get("accum", 1)),
+        **sharded,
+    )
+    if flags == ["evaluate"]:
 
         class SlowEvaluation:
             def __iter__(self):

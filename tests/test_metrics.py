@@ -275,12 +275,18 @@ def _train_auc_model_fn(model, features, labels, mode, params):
     )
 
 
-def test_a_windowed_train_auc_is_the_auc_over_the_window_examples(model_dir):
+@pytest.mark.parametrize("grad_accum_steps", [1, 2])
+def test_a_windowed_train_auc_is_the_auc_over_the_window_examples(model_dir, grad_accum_steps):
     batches = [
         ({k: v[i * 32 : (i + 1) * 32] for k, v in FEATURES.items()}, LABELS[i * 32 : (i + 1) * 32]) for i in range(24)
     ]
     est = make_estimator(
-        _train_auc_model_fn, model_dir=model_dir, steps_per_loop=4, log_every_steps=8, tensorboard=False
+        _train_auc_model_fn,
+        model_dir=model_dir,
+        steps_per_loop=4,
+        log_every_steps=8,
+        tensorboard=False,
+        grad_accum_steps=grad_accum_steps,
     )
     est.train(batches, max_steps=24)
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:

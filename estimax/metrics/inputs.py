@@ -32,7 +32,9 @@ def train_outputs(metrics: dict | None, batch_size: int) -> dict:
     """Per-step training outputs: plain values as their batch mean, metric inputs as states."""
     outputs, full = {}, None
     for name, value in (metrics or {}).items():
-        if isinstance(value, Inputs):
+        if isinstance(value, Metric):  # a state already (merged over micro-batches)
+            outputs[name] = value
+        elif isinstance(value, Inputs):
             full = jnp.ones((batch_size,), bool) if full is None else full  # training batches have no padding
             outputs[name] = value.state(full)
         else:

@@ -1,0 +1,245 @@
+"""A decoder-only transformer language model over bytes (vocabulary 256): a task module.
+
+``estimax train --example lm`` (or ``estimax train estimax.examples.lm``) runs
+it: it defines what every task module defines (``model``, ``model_fn``,
+``optimizer``, ``train_input``, ``eval_input``, ``params``), and the optional
+``DEFAULTS`` and ``prediction_record``; see ``estimax/task.py``.
+
+Pre-norm blocks of causal multi-head self-attention and an MLP, learned
+position embeddings, a final LayerNorm and an untied output projection,
+written in Flax NNX with parameter paths that sharding rules can target
+(``blocks/0/attn/query/kernel``, ``blocks/0/mlp/up/kernel``, ...).
+``SHARDING_RULES`` are the Megatron-style tensor-parallel rules over a
+``model`` mesh axis: query, key and value projections column-parallel (split
+over heads), the attention output row-parallel, the MLP up projection
+column-parallel and its down projection row-parallel, the byte embedding and
+the output projection split over the vocabulary.
+
+The default corpus needs no download: the standard library's own ``.py``
+files (``sysconfig.get_paths()["stdlib"]``, without ``site-packages`` and the
+test suites, which differ between installations), sorted by path, one file in
+ten held out. ``params["data_dir"]`` (``--data-dir``) reads any directory of text files instead.
+The loss is the mean cross-entropy per byte (nats); the metric
+``bits_per_byte`` is that loss over ln 2.
+
+Run it: ``estimax train --example lm`` or ``python -m estimax.examples.lm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import estimax as ex
+
+VOCAB_SIZE = 256  # bytes
+HELD_OUT_EVERY = 10  # file i is held out when i % 10 == 9
+# Model and run sizes that train in a few minutes on 2 CPU cores (README: Examples).
+MODEL = {"seq_len": 128, "dim": 128, "num_heads": 4, "num_layers": 2, "mlp_ratio": 4}
+WARMUP_STEPS, WEIGHT_DECAY, CLIP_NORM = 50, 0.1, 1.0
+DEFAULTS = {"batch_size": 16, "max_steps": 600, "steps_per_loop": 50, "loop": "scan"}
+# Corpus slices: the first bytes of the sorted training and held-out files.
+TRAIN_BYTES, HELD_OUT_BYTES = 4_000_000, 65_536
+# The hyper-parameters: `estimax train --example lm --set dim=256` overrides one. `decay_steps`: the
+# cosine schedule's length (the CLI's default max_steps); `data_dir`: "" reads the standard library.
+params = {
+    **MODEL,
+    "learning_rate": 3e-3,
+    "decay_steps": DEFAULTS["max_steps"],
+    "data_dir": "",
+    "train_bytes": TRAIN_BYTES,
+    "held_out_bytes": HELD_OUT_BYTES,
+}
+
+# Megatron-style tensor parallelism over the "model" axis: `(regex, spec)`, full match on the path.
+SHARDING_RULES = [
+    (r"blocks/\d+/attn/(query|key|value)/kernel", (None, "model")),  # column-parallel: heads split
+    (r"blocks/\d+/attn/out/kernel", ("model", None)),  # row-parallel: the head outputs are summed
+    (r"blocks/\d+/mlp/up/kernel", (None, "model")),  # column-parallel: hidden units split
+    (r"blocks/\d+/mlp/down/kernel", ("model", None)),  # row-parallel
+    (r"embed/embedding", ("model", None)),  # vocabulary-parallel embedding
+    (r"head/kernel", (None, "model")),  # logits split over the vocabulary
+]
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention; heads are contiguous blocks of the projections' columns."""
+
+    def __init__(self, dim: int, num_heads: int, *, rngs: nnx.Rngs):
+        if dim % num_heads:
+            raise ValueError(f"lm: dim={dim} must be a multiple of num_heads={num_heads}.")
+        self.num_heads = num_heads
+        self.query = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.key = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.value = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        batch, length, dim = x.shape
+        heads = lambda y: y.reshape(batch, length, self.num_heads, dim // self.num_heads)  # noqa: E731
+        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(dim // self.num_heads)
+        causal = jnp.tril(jnp.ones((length, length), bool))  # position q sees positions k <= q
+        weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(x.dtype)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, dim))
+
+
+class MLP(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(dim, hidden, use_bias=False, rngs=rngs)
+        self.down = nnx.Linear(hidden, dim, use_bias=False, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(nnx.gelu(self.up(x)))
+
+
+class Block(nnx.Module):
+    """Pre-norm: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: int, *, rngs: nnx.Rngs):
+        self.attn_norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.attn = Attention(dim, num_heads, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.mlp = MLP(dim, mlp_ratio * dim, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nnx.Module):
+    """``(batch, length) int bytes -> (batch, length, 256)`` next-byte logits."""
+
+    def __init__(self, seq_len: int, dim: int, num_heads: int, num_layers: int, mlp_ratio: int, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(VOCAB_SIZE, dim, rngs=rngs)
+        self.positions = nnx.Embed(seq_len, dim, rngs=rngs)
+        self.blocks = nnx.List([Block(dim, num_heads, mlp_ratio, rngs=rngs) for _ in range(num_layers)])
+        self.norm = nnx.LayerNorm(dim, rngs=rngs)
+        self.head = nnx.Linear(dim, VOCAB_SIZE, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def model(rngs: nnx.Rngs, params: dict) -> Transformer:
+    return Transformer(**{k: params.get(k, v) for k, v in MODEL.items()}, rngs=rngs)
+
+
+build_model = model  # the name the other examples expose too
+
+
+def model_fn(model, features, labels, mode, params) -> ex.Spec:
+    """Features ``{"bytes": (batch, length)}``, labels the next bytes ``(batch, length)``."""
+    logits = model(features["bytes"]).astype(jnp.float32)
+    if mode == ex.PREDICT:
+        return ex.Spec(predictions={"next_byte": logits[:, -1].argmax(-1)})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(-1)  # nats per byte, per example
+    return ex.Spec(loss=loss, metrics={"bits_per_byte": loss / math.log(2)})
+
+
+def prediction_record(row) -> dict:
+    return {"next_byte": row["next_byte"].item()}
+
+
+def optimizer(params: dict = params) -> optax.GradientTransformation:
+    """AdamW, clipped, with a linear warm-up and a cosine decay to a tenth over ``decay_steps`` (then constant)."""
+    peak, decay_steps = params["learning_rate"], max(params["decay_steps"], WARMUP_STEPS + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak, WARMUP_STEPS, decay_steps, end_value=peak / 10)
+    # inject_hyperparams exposes the learning rate, so the engine logs it every step.
+    adamw = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule, b2=0.95, weight_decay=WEIGHT_DECAY)
+    return optax.chain(optax.clip_by_global_norm(CLIP_NORM), adamw)
+
+
+def estimator(config: ex.RunConfig, **overrides) -> ex.Estimator:
+    """This task's Estimator under ``config``, for use from Python; ``overrides`` update ``params``.
+
+    On a mesh with a ``model`` axis and no rules of the user's, ``SHARDING_RULES``
+    apply (and an ``fsdp`` axis adds FSDP on the other dimension of each kernel).
+    """
+    if config.mesh and "model" in config.mesh and not config.sharding_rules:
+        config = dataclasses.replace(config, sharding_rules=SHARDING_RULES)
+    hparams = {**params, **overrides}
+    return ex.Estimator(model=model, model_fn=model_fn, optimizer=optimizer(hparams), config=config, params=hparams)
+
+
+def train_input(params: dict) -> ex.data.ArrayDataset:
+    return windows(_files(params)[0], params["seq_len"], params["train_bytes"])
+
+
+def eval_input(params: dict) -> ex.data.ArrayDataset:
+    return windows(_files(params)[1], params["seq_len"], params["held_out_bytes"])
+
+
+# -- the corpus ------------------------------------------------------------------------------
+def stdlib_files() -> list[str]:
+    """The standard library's ``.py`` files, sorted by relative path, without tests and site-packages."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    found = []
+    for directory, subdirectories, names in os.walk(root):
+        subdirectories[:] = [d for d in subdirectories if d not in skip]
+        found += [os.path.join(directory, n) for n in names if n.endswith(".py")]
+    return sorted(found, key=lambda path: os.path.relpath(path, root))
+
+
+def text_files(data_dir: str) -> list[str]:
+    """Every regular file under ``data_dir``, sorted by relative path."""
+    found = [os.path.join(d, n) for d, _, names in os.walk(data_dir) for n in names]
+    if not found:
+        raise ValueError(f"lm: --data-dir {data_dir!r} holds no files; expected a directory of text files.")
+    return sorted(found, key=lambda path: os.path.relpath(path, data_dir))
+
+
+def windows(files: list[str], seq_len: int, max_bytes: int) -> ex.data.ArrayDataset:
+    """The files' bytes, concatenated (up to ``max_bytes``), cut into inputs and next-byte targets.
+
+    Window ``i`` is bytes ``i * seq_len`` to ``(i + 1) * seq_len``; its targets are
+    the same span shifted by one, so every byte but the first is predicted once.
+    """
+    chunks, total = [], 0
+    for path in files:
+        with open(path, "rb") as f:
+            chunks.append(f.read(max_bytes - total))
+        total += len(chunks[-1])
+        if total >= max_bytes:
+            break
+    data = np.frombuffer(b"".join(chunks), np.uint8)
+    count = (len(data) - 1) // seq_len
+    if count < 1:
+        raise ValueError(f"lm: the corpus has {len(data)} bytes; expected at least seq_len + 1 = {seq_len + 1}.")
+    inputs = data[: count * seq_len].reshape(count, seq_len).astype(np.int32)
+    targets = data[1 : count * seq_len + 1].reshape(count, seq_len).astype(np.int32)
+    return ex.data.from_arrays({"bytes": inputs}, targets)
+
+
+def _files(params: dict) -> tuple[list[str], list[str]]:
+    """(training files, held-out files): one file in ten is held out (the standard library, or ``data_dir``)."""
+    files = text_files(params["data_dir"]) if params.get("data_dir") else stdlib_files()
+    if len(files) < HELD_OUT_EVERY:
+        raise ValueError(f"lm: {len(files)} files; expected at least {HELD_OUT_EVERY} (one in ten is held out).")
+    held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
+    train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
+    return train, held_out
+
+
+def load(data_dir: str = "", **overrides) -> tuple[ex.data.ArrayDataset, ex.data.ArrayDataset]:
+    """(train, held-out) windows; ``overrides`` update ``params`` (``seq_len``, ``train_bytes``, ...)."""
+    hparams = {**params, "data_dir": data_dir, **overrides}
+    return train_input(hparams), eval_input(hparams)
+
+
+if __name__ == "__main__":
+    from estimax import cli
+
+    raise SystemExit(cli.main(["train", "--example", "lm"]))
