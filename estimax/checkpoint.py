@@ -9,20 +9,32 @@ JSON metadata, never pickle) plus a JSON record with the step, the input
 position and a checksum of every array computed on the device at save time.
 A half-written checkpoint (a killed save) is never listed by Orbax; a
 truncated or altered one fails to restore or fails its checksums, and the
-previous one is used instead, with a warning that names both.
+previous one is used instead, with a warning that names both. A writer
+(the process holding the model_dir's lock) then moves the damaged step
+directories aside (``<step>.corrupt-<time>``, never deleted) so that the
+retrained steps are saved again. A checkpoint of another model or optimizer
+is an error naming the arrays that differ, checked on Orbax's array metadata
+before anything is read.
+
+A Checkpointer opens read-only (it creates, cleans and renames nothing)
+until ``open_for_writing()``, which the Estimator calls under the lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import logging
 import os
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from estimax import noise
 from estimax.config import CheckpointPolicy
 
 logger = logging.getLogger("estimax")
@@ -43,14 +55,25 @@ class Checkpointer:
         best: tuple[str, str] | None = None,
     ):
         """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric."""
+        noise.quiet_libraries()
         self.directory = os.path.abspath(directory)
-        self.policy = policy = policy or CheckpointPolicy()
-        keep_every = policy.keep_every_hours
-        best_options = {}
-        if best is not None:
-            metric, mode = best
+        self.policy = policy or CheckpointPolicy()
+        self.read_only = read_only
+        self._best = best
+        self._manager = self._open(read_only)
+        self._checksums = jax.jit(checksums)
+        self._last_save = time.monotonic()
+        self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
+        self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
+        self._moved_aside: dict[int, str] = {}
+        self._primary = True
+
+    def _open(self, read_only: bool) -> ocp.CheckpointManager:
+        policy, keep_every, best_options = self.policy, self.policy.keep_every_hours, {}
+        if self._best is not None:
+            metric, mode = self._best
             best_options = dict(best_fn=lambda m: m[metric], best_mode=mode, keep_checkpoints_without_metrics=False)
-        self._manager = ocp.CheckpointManager(
+        return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=policy.keep,
@@ -61,17 +84,42 @@ class Checkpointer:
                 **best_options,
             ),
         )
-        self._checksums = jax.jit(checksums)
-        self._last_save = time.monotonic()
 
     @classmethod
     def of_model_dir(cls, model_dir: str, policy: CheckpointPolicy) -> Checkpointer:
-        return cls(os.path.join(model_dir, "checkpoints"), policy)
+        """A read-only view of ``<model_dir>/checkpoints`` until ``open_for_writing()``."""
+        return cls(os.path.join(model_dir, "checkpoints"), policy, read_only=True)
+
+    def open_for_writing(self, primary: bool = True) -> None:
+        """Becomes the writer (the caller holds the model_dir's lock): leftovers of killed saves are
+        cleaned up, and the damaged steps a restore found are moved aside (by ``primary`` only, the
+        one process that renames for a group)."""
+        if self.read_only:
+            self._manager.close()
+            self._manager, self.read_only = self._open(False), False
+        self._primary = primary
+        if primary:
+            self._move_damaged_aside()
+
+    def close_for_writing(self) -> None:
+        """Back to a read-only view (the caller releases the lock): saves in flight complete first."""
+        if not self.read_only:
+            with self._disk_errors():
+                self._manager.close()
+            self._manager, self.read_only = self._open(True), True
+
+    def refresh(self) -> None:
+        """Lists the step directories again (another process, or the group's primary, changed them)."""
+        self._manager.reload()
 
     def steps(self) -> list[int]:
+        if self.read_only:
+            self._manager.reload()  # a reader sees what the writer saved since
         return list(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
+        if self.read_only:
+            self._manager.reload()
         return self._manager.latest_step()
 
     def due(self, step_before: int, step_after: int) -> bool:
@@ -83,13 +131,25 @@ class Checkpointer:
 
     def save(self, step: int, state, input_state=None, metrics: dict | None = None) -> None:
         """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices."""
+        if self.read_only:
+            raise RuntimeError(f"Checkpointer of {self.directory} is read-only; open_for_writing() first.")
         if step in self._manager.all_steps():
             return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
         meta = {"step": step, "input_state": input_state, "checksums": sums, "saved_at": time.time()}
+        if self.run_meta:
+            meta["run"] = self.run_meta
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._manager.save(step, args=args, force=True, metrics=metrics)
+        with self._disk_errors():
+            self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()
+        if step in self._moved_aside:
+            logger.warning(
+                "Saved step %d again in %s; the damaged one is kept in %s.",
+                step,
+                self.directory,
+                self._moved_aside.pop(step),
+            )
 
     def restore(self, abstract_state, step: int | None = None):
         """``(state, meta)`` of ``step``, or of the latest checkpoint that restores and verifies.
@@ -97,17 +157,23 @@ class Checkpointer:
         A corrupt latest checkpoint is skipped with a warning for the one
         before it; a corrupt ``step`` that was asked for raises.
         """
-        candidates = [step] if step is not None else sorted(self._manager.all_steps(), reverse=True)
-        failures = []
+        candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
+        failures, damaged = [], {}
         for candidate in candidates:
+            self._check_structure(abstract_state, candidate)  # another model: an error, not damage
             try:
                 state, meta = self._restore_verified(abstract_state, candidate)
-            except Exception as error:  # truncated files, altered arrays, wrong structure
+            except Exception as error:  # truncated files, altered arrays
                 failures.append(f"step {candidate}: {_first_line(error)}")
                 logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, _first_line(error))
+                with contextlib.suppress(OSError):
+                    damaged[candidate] = os.stat(os.path.join(self.directory, str(candidate))).st_ino
                 continue
             if failures:
                 logger.warning("Restored step %d of %s instead of %s.", candidate, self.directory, failures[0])
+                self._damaged = damaged
+                if not self.read_only and self._primary:
+                    self._move_damaged_aside()
             else:
                 logger.info("Restored checkpoint step %d from %s", candidate, self.directory)
             return state, meta
@@ -116,6 +182,81 @@ class Checkpointer:
             "model or optimizer changed since they were saved, use another model_dir (WarmStart can start from "
             "this one); if they are damaged, point to another checkpoint or delete the damaged step directories."
         )
+
+    def _move_damaged_aside(self) -> None:
+        """Renames the step directories the last restore found damaged to ``<step>.corrupt-<time>``
+        (unless they changed since), so that training saves those steps again."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        for step, inode in sorted(self._damaged.items()):
+            path = os.path.join(self.directory, str(step))
+            with contextlib.suppress(OSError):
+                if os.stat(path).st_ino != inode:
+                    continue
+                aside = f"{path}.corrupt-{stamp}"
+                os.rename(path, aside)
+                self._moved_aside[step] = aside
+                logger.warning(
+                    "Moved the damaged checkpoint %s aside to %s (kept for inspection); step %d is saved "
+                    "again when training reaches it.",
+                    path,
+                    aside,
+                    step,
+                )
+        if self._damaged:
+            self._damaged = {}
+            self._manager.reload()
+
+    def _check_structure(self, abstract_state, step: int) -> None:
+        """Raises ``CheckpointError`` naming the arrays that differ between ``abstract_state`` and the
+        checkpoint's array metadata (read before any array is); unreadable metadata is left to the restore."""
+        try:
+            saved = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+            leaves = jax.tree_util.tree_leaves_with_path(getattr(saved, "item_metadata", saved))
+            saved = {_path_name(p): tuple(x.shape) for p, x in leaves}
+        except Exception:  # missing or damaged metadata: the restore reports it
+            return
+        if not saved:  # damaged array files read as an empty tree: the restore reports it
+            return
+        expected = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+        if saved == expected:
+            return
+        added, removed = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
+        reshaped = [
+            f"{k} {expected[k]} now, {saved[k]} saved"
+            for k in sorted(expected.keys() & saved.keys())
+            if expected[k] != saved[k]
+        ]
+        parts = [
+            f"{label}: {_listed(names)}"
+            for label, names in (("added", added), ("removed", removed), ("other shape", reshaped))
+            if names
+        ]
+        raise CheckpointError(
+            f"Checkpoint step {step} of {self.directory} was saved by another model or optimizer; arrays "
+            f"{'; '.join(parts)}. Expected the model and optimizer that wrote this model_dir. Fix: restore them, "
+            "or train in another model_dir starting from this one with "
+            f"WarmStart({os.path.dirname(self.directory)!r}) (it loads the parameters that still match)."
+        )
+
+    @contextlib.contextmanager
+    def _disk_errors(self):
+        """A full disk or a file-size limit while saving becomes one line naming the directory
+        and the last good checkpoint."""
+        try:
+            yield
+        except Exception as error:
+            reason = _disk_full(error)
+            if reason is None:
+                raise
+            good = []
+            with contextlib.suppress(OSError):  # the finished step directories (not the temporary ones)
+                good = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+            last = f"step {good[-1]} ({os.path.join(self.directory, str(good[-1]))})" if good else "none"
+            raise CheckpointError(
+                f"A checkpoint save in {self.directory} failed: {reason}; the last "
+                f"good checkpoint is {last}. Fix: free space there (or raise the quota), then run the same "
+                "command again to resume from it."
+            ) from None
 
     def _restore_verified(self, abstract_state, step: int):
         args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
@@ -136,7 +277,8 @@ class Checkpointer:
         return self._manager.restore(step, args=args).state
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with self._disk_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.close()
@@ -180,6 +322,38 @@ def _checksum(x: jax.Array) -> jax.Array:
     return jnp.sum(bits * weights, dtype=jnp.uint32)
 
 
-def _first_line(error: Exception) -> str:
+def _path_name(path) -> str:
+    """``params/l1/kernel``: a leaf's path, the same for the state and Orbax's saved tree."""
+    parts = [getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path]
+    return "/".join(str(p) for p in parts).removesuffix("/value")
+
+
+def _listed(names: list[str], most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+_DISK_FULL = {
+    errno.ENOSPC: "No space left on device",
+    errno.EDQUOT: "Disk quota exceeded",
+    errno.EFBIG: "File too large",
+}
+
+
+def _disk_full(error: BaseException | None) -> str | None:
+    """The reason, when ``error`` (or an error it came from) says the disk or a file limit is full."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in _DISK_FULL:
+            return _DISK_FULL[error.errno]
+        reason = next((r for r in _DISK_FULL.values() if r in str(error)), None)
+        if reason:
+            return reason
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _first_line(error: Exception, most: int = 240) -> str:
+    """The first line of an error, without tensorstore's spec dumps, at most ``most`` characters."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    text = re.sub(r" ?\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text[0] if text else "")
+    text = text if len(text) <= most else text[: most - 3] + "..."
+    return f"{type(error).__name__}: {text}"

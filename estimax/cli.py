@@ -72,6 +72,23 @@ def tracker(text: str) -> str:
     return text
 
 
+def mesh_axes(text: str) -> dict[str, int]:
+    """``data=4,model=2`` as ``RunConfig(mesh=...)`` (a size ``-1``: the rest of the devices)."""
+    axes = {}
+    for item in text.split(","):
+        name, equals, size = item.partition("=")
+        if not equals or not name.strip() or not size.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"received {text!r}; expected name=size pairs, e.g. data=4,model=2")
+        axes[name.strip()] = int(size)
+    return axes
+
+
+def with_fsdp(mesh: dict[str, int] | None, fsdp: int) -> dict[str, int]:
+    """``mesh`` with an ``fsdp`` axis of ``fsdp`` devices (``--fsdp``); ``data`` takes the rest unless sized."""
+    mesh = {**(mesh or {}), "fsdp": fsdp}
+    return mesh if "data" in mesh or -1 in mesh.values() else {"data": -1, **mesh}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunFlag:
     """A flag that sets one ``RunConfig`` field; unset, the task's ``DEFAULTS[dest]`` or RunConfig's default."""
@@ -92,6 +109,7 @@ RUN_FLAGS = (
     RunFlag("--batch-size", "train_batch_size", "global batch of a training step", {"type": positive_int}),
     RunFlag("--eval-batch-size", "eval_batch_size", "batch of evaluation and prediction", {"type": positive_int}),
     RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
+    RunFlag("--mesh", "mesh", "device mesh, e.g. data=4,model=2 (-1: the rest)", {"type": mesh_axes}),
     RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
     RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
     RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
@@ -147,6 +165,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     for run_flag in RUN_FLAGS:
         if command in run_flag.commands:
             sub.add_argument(run_flag.flag, dest=run_flag.dest, help=run_flag.help, **run_flag.options)
+    sub.add_argument("--fsdp", type=positive_int, help="shard parameters and optimizer state over N devices")
     sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")
     group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
@@ -240,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in a task, its input or the settings, and estimax's own error classes (no traceback)."""
     errors = [ValueError, TypeError, FileNotFoundError, ImportError]
-    for module, name in (("estimax.training", "NonFiniteError"), ("estimax.distributed", "SyncTimeout")):
+    for module, name in (
+        ("estimax.training", "NonFiniteError"),
+        ("estimax.distributed", "SyncTimeout"),
+        ("estimax.lock", "ModelDirLocked"),
+        ("estimax.lock", "ModelDirNotWritable"),
+    ):
         if module in sys.modules:  # only once JAX is loaded: an error before that is none of these
             errors.append(getattr(sys.modules[module], name))
     return tuple(errors)

@@ -19,7 +19,7 @@ import jax
 
 from estimax import distributed
 from estimax import task as task_lib
-from estimax.cli import RUN_FLAGS
+from estimax.cli import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 
@@ -52,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
         value = defaults.get(run_flag.dest) if value is None else value
         if value is not None:
             settings[run_flag.field] = value
+    if args.fsdp is not None:
+        settings["mesh"] = with_fsdp(settings.get("mesh"), args.fsdp)
     estimator = task.estimator(RunConfig(**settings))
     first = jax.process_index() == 0  # process 0 speaks for the group
     return COMMANDS[args.command](args, task, estimator, first)

@@ -167,6 +167,26 @@ class Sync:
         except Exception as error:  # jax's JaxRuntimeError: DEADLINE_EXCEEDED, or a peer gone
             raise SyncTimeout(self._late(what, arrived, time.monotonic() - started, error)) from error
 
+    def share(self, what: str, value: str = "") -> str:
+        """Process 0's ``value`` on every process (e.g. the outcome of taking the model_dir's lock);
+        with one process, ``value`` itself."""
+        if self._client is None:
+            return value
+        self._count += 1
+        key = f"estimax/share/{self._count}"
+        if jax.process_index() == 0:
+            self._client.key_value_set(key, value)
+            return value
+        self.status(f"waiting for process 0 ({what})")
+        try:
+            return self._client.blocking_key_value_get(key, int(self.timeout_seconds * 1000))
+        except Exception as error:
+            raise SyncTimeout(
+                f"Process {jax.process_index()} waited {self.timeout_seconds:g} s for process 0 ({what}); "
+                f"JAX said: {str(error).splitlines()[0] if str(error) else type(error).__name__}. Fix: look at "
+                "process 0's log."
+            ) from error
+
     def _late(self, what: str, arrived: str, waited: float, error: Exception) -> str:
         statuses = {}
         try:

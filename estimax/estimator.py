@@ -7,19 +7,22 @@ outputs only after the next one is dispatched, checkpoints and reports.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import inspect
 import itertools
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 import optax
 
-from estimax import accumulation, report, trackers
+from estimax import accumulation, report, run_record, trackers, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
 from estimax import host_metrics as host_metrics_lib
@@ -30,6 +33,7 @@ from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
 from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.lock import Lock, ModelDirLocked, ModelDirNotWritable
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler, profile_dir
@@ -42,6 +46,10 @@ from estimax.warm_start import WarmStart
 from estimax.writers import ConsoleWriter, JsonlWriter, TensorBoardWriter
 
 logger = logging.getLogger("estimax")
+
+
+class UntrainedWarning(UserWarning):
+    """evaluate, predict or model() used the initial weights: nothing was trained or restored."""
 
 
 class Estimator:
@@ -83,6 +91,7 @@ class Estimator:
         if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
+        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer)
         self.mesh = mesh_lib.make_mesh(_devices(config.num_devices), config.mesh)
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
@@ -99,10 +108,15 @@ class Estimator:
             if config.model_dir is None
             else checkpoint_lib.Checkpointer.of_model_dir(config.model_dir, config.checkpoint)
         )
+        if self._checkpointer is not None:
+            self._checkpointer.run_meta = self._run_record
+        self._lock = None if config.model_dir is None else Lock(config.model_dir)
         self._warm_start = warm_start
         self._host_metrics = host_metrics
         self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
+        self._origin = None  # where the state came from: "initial", "warm_start", "restored", "trained"
+        self._warned_untrained = False
         self._feature_spec = None  # per-example shapes of the last input seen, for export()
         self._param_names = leaf_names(self._abstract_state.params)
         accumulation.warn_if_multisteps(self._abstract_state.opt_state)
@@ -133,19 +147,40 @@ class Estimator:
         if latest is not None and latest != self._seen_latest and (self._state is None or latest > self._step):
             self._seen_latest = latest
             self._state, meta = self._checkpointer.restore(self.state_shapes())
-            self._step, self._input_state = meta["step"], meta.get("input_state")
+            self._step, self._input_state, self._origin = meta["step"], meta.get("input_state"), "restored"
+            run_record.warn_on_resume(meta.get("run"), self._run_record, self._step, self._checkpointer.directory)
         elif self._state is None:
             with jax.set_mesh(self.mesh):  # each array is created in its shards: never whole on one device
                 self._state = jax.jit(self._core.init_state, out_shardings=self.layout.state)()
+            self._origin = "initial"
             if self._warm_start is not None:
-                self._state = self._warm_start.apply(self._state)
+                self._state, self._origin = self._warm_start.apply(self._state), "warm_start"
             self._step = 0
         return self._state
 
-    def _state_at(self, checkpoint: int | str | None):
+    def _warn_if_untrained(self, what: str) -> None:
+        """Warns once when ``what`` uses the initial weights: nothing trained, restored or warm-started."""
+        if self._origin != "initial" or self._warned_untrained:
+            return
+        self._warned_untrained = True
+        where = (
+            f"model_dir {self.config.model_dir!r} has no checkpoint"
+            if self.config.model_dir is not None
+            else "RunConfig(model_dir=None) has no checkpoint to restore"
+        )
+        warnings.warn(
+            f"Estimator.{what}() uses the initial, untrained weights: {where} and this Estimator has not "
+            "trained. Fix: train() first, set model_dir to a trained run, or pass checkpoint=<step or path>.",
+            UntrainedWarning,
+            stacklevel=4,
+        )
+
+    def _state_at(self, checkpoint: int | str | None, what: str):
         """The current state, or the one of ``checkpoint``: a step of model_dir or a path."""
         if checkpoint is None:
-            return self._ensure_state()
+            state = self._ensure_state()
+            self._warn_if_untrained(what)
+            return state
         if isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
             if self._checkpointer is None:
                 raise ValueError(
@@ -163,10 +198,9 @@ class Estimator:
 
         ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
         """
-        state = self._state_at(checkpoint)
+        state = self._state_at(checkpoint, "model")
         # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
-        gather = jax.jit(lambda tree: jax.tree.map(jax.numpy.copy, tree), out_shardings=self.layout.replicated)
-        params, model_state = gather((state.params, state.model_state))
+        params, model_state = _gathered_copy(state.params, state.model_state, self.layout.replicated)
         with jax.set_mesh(self.mesh):
             return self._core.adapter.live(params, model_state)
 
@@ -224,14 +258,16 @@ class Estimator:
             every = eval_every_epochs * _steps_per_epoch(
                 train_input, self.config.train_batch_size // jax.process_count()
             )
-        hooks = list(hooks)
+        hooks = validation.check_hooks(hooks)
         if patience is not None:
             hooks.append(EarlyStopping(best_metric or "loss", mode if best_metric else "min", patience))
+        self._check_metric_names(eval_input, train_input, validation.metrics_used(hooks, best_metric))
         best = None
         if best_metric is not None and self.config.model_dir is not None:
-            best = checkpoint_lib.Checkpointer(
+            best = checkpoint_lib.Checkpointer(  # opened for writing under the model_dir's lock
                 os.path.join(self.config.model_dir, "best"),
                 CheckpointPolicy(every_steps=None, keep=1),
+                read_only=True,
                 best=(best_metric, mode),
             )
         evaluation = Evaluation(
@@ -241,19 +277,82 @@ class Estimator:
             best_metric=best_metric,
         )
         loop = self._train(train_input, (max_steps, None, epochs), hooks, evaluation)
-        if best is not None:
-            best.wait()
         if loop is None:  # nothing left to train: the current state's evaluation
             return self.evaluate(eval_input)
         return loop.last_metrics
 
-    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
+    def _check_batch_sizes(self) -> None:
         cfg = self.config
         if cfg.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
             accumulation.check_batch_size(cfg.train_batch_size, cfg.grad_accum_steps, self.layout.batch)
         mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
+        mesh_lib.check_batch_size("eval_batch_size", cfg.global_eval_batch_size, self.mesh)
+        mesh_lib.check_batch_size("predict_batch_size", cfg.global_predict_batch_size, self.mesh)
+
+    def _check_metric_names(self, eval_input, train_input, used: dict[str, str]) -> None:
+        """Raises unless every metric in ``used`` is among the evaluation's outputs, traced abstractly
+        on the first batch of the evaluation input (or of the training input, when only that one
+        can be read again); nothing is compiled or evaluated. Plain iterables are checked at the
+        first evaluation instead."""
+        if not used:
+            return
+        size = self.config.global_eval_batch_size
+        batch = validation.first_eval_batch(eval_input, size // jax.process_count())
+        if batch is None:
+            batch = validation.first_eval_batch(train_input, size // jax.process_count())
+        if batch is None:
+            return
+        with jax.set_mesh(self.mesh):  # modules that declare shardings need a mesh to trace
+            shapes = jax.eval_shape(
+                self._core.eval_values, self._abstract_state, validation.abstract_batch(batch, size)
+            )
+        validation.check_metric_names(used, validation.metric_names(shapes))
+
+    @contextlib.contextmanager
+    def _writing(self, best: checkpoint_lib.Checkpointer | None = None):
+        """Holds the model_dir's lock while training writes into it (process 0 takes it for the
+        group; the others learn the outcome and fail alike); released on every exit path."""
+        if self.config.model_dir is None:
+            yield
+            return
+        primary = jax.process_index() == 0
+        outcome = "ok"
+        if primary:
+            try:
+                self._lock.acquire()
+            except (ModelDirLocked, ModelDirNotWritable) as error:
+                outcome = f"{type(error).__name__}:{error}"
+        outcome = self._sync.share("taking the model_dir lock", outcome)
+        if outcome != "ok":
+            name, text = outcome.split(":", 1)
+            raise {"ModelDirLocked": ModelDirLocked, "ModelDirNotWritable": ModelDirNotWritable}[name](text)
+        try:
+            self._checkpointer.open_for_writing(primary)
+            if best is not None:
+                best.open_for_writing(primary)
+            yield
+        finally:
+            try:
+                if best is not None:
+                    best.close_for_writing()
+                self._checkpointer.close_for_writing()
+            finally:
+                if primary:
+                    self._lock.release()
+
+    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
+        hooks = validation.check_hooks(hooks)
+        self._check_batch_sizes()
+        with self._writing(evaluation.best if evaluation is not None else None):
+            return self._train_steps(input, lengths, hooks, evaluation)
+
+    def _train_steps(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None):
+        cfg = self.config
         host_batch = cfg.train_batch_size // jax.process_count()
         state = self._ensure_state()
+        if jax.process_count() > 1 and self._checkpointer is not None:
+            self._sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
+            self._checkpointer.refresh()
         start = self._step
         target, per_epoch = _target_step(start, *lengths, input, host_batch)
         if start >= target:
@@ -286,7 +385,7 @@ class Estimator:
         )
 
         def publish(state, step, input_state):
-            self._state, self._step, self._input_state = state, step, input_state
+            self._state, self._step, self._input_state, self._origin = state, step, input_state, "trained"
 
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, cfg.model_dir)
         chunks = self._noting_features(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size), stacked=True)
@@ -304,11 +403,12 @@ class Estimator:
             hooks.append(ProgressBar(cfg.train_batch_size))
         return hooks + list(extra)
 
-    def _writers(self) -> list:
-        """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only."""
+    def _writers(self, files: bool = True) -> list:
+        """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
+        and only with ``files`` (what this process may write)."""
         cfg = self.config
         writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
-        if jax.process_index() != 0:
+        if jax.process_index() != 0 or not files:
             return writers
         if cfg.model_dir is not None:
             writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
@@ -334,20 +434,38 @@ class Estimator:
         ``host_metrics``: this call's, instead of the Estimator's.
         """
         host_metrics_lib.check(host_metrics)
-        state = self._state_at(checkpoint)
+        state = self._state_at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
-        step = int(jax.device_get(state.step))
-        for writer in self._writers():
-            writer.write("eval", step, results)
-            writer.close()
+        self._record_evaluation(int(jax.device_get(state.step)), results)
         return results
+
+    def _record_evaluation(self, step: int, results: dict[str, float]) -> None:
+        """Writes an evaluation to the console, and to model_dir's files when this process may write
+        there: not while another process holds its lock (a run in training keeps its files to
+        itself), nor when it is not writable; either is said, and the results are still returned."""
+        files, held = True, self._lock is not None and self._lock.held
+        if self._lock is not None and jax.process_index() == 0 and not held:
+            try:
+                self._lock.acquire()
+            except (ModelDirLocked, ModelDirNotWritable) as error:
+                files = False
+                logger.warning("The evaluation of step %d is not written to %s: %s", step, self._lock.model_dir, error)
+        try:
+            for writer in self._writers(files):
+                writer.write("eval", step, results)
+                writer.close()
+        except OSError as error:
+            logger.warning("The evaluation of step %d was not written to %s: %s", step, self.config.model_dir, error)
+        finally:
+            if self._lock is not None and not held:
+                self._lock.release()
 
     def evaluate_states(
         self, input, *, steps: int | None = None, checkpoint: int | str | None = None
     ) -> dict[str, metrics_lib.Metric]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
-        return self._evaluate_states(input, self._state_at(checkpoint), steps=steps)[0]
+        return self._evaluate_states(input, self._state_at(checkpoint, "evaluate"), steps=steps)[0]
 
     def _evaluate(
         self, input, state, *, steps: int | None = None, should_stop=None, host_metrics: Callable | None = None
@@ -404,7 +522,7 @@ class Estimator:
         """
         batch_size = self.config.global_predict_batch_size
         mesh_lib.check_batch_size("predict_batch_size", batch_size, self.mesh)
-        state = self._state_at(checkpoint)
+        state = self._state_at(checkpoint, "predict")
         predict = self._evaluator().predict
         rows = _gathered_rows if gather and jax.process_count() > 1 else _rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
@@ -456,7 +574,7 @@ class Estimator:
                 "yet. Fix: pass a batch, e.g. `est.export(path, example_features={'image': images[:1]})`, or "
                 "call train/evaluate/predict first."
             )
-        state = self._state_at(checkpoint)
+        state = self._state_at(checkpoint, "export")
         if format == "tf_saved_model":
             from estimax import export_tf
 
@@ -467,6 +585,11 @@ class Estimator:
         if self._eval_runner is None:
             self._eval_runner = EvalRunner(self._core, self.layout)
         return self._eval_runner
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _gathered_copy(params, model_state, replicated):
+    return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
 
 
 def _rows(predictions, num_valid: int) -> Iterator:

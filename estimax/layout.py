@@ -45,26 +45,6 @@ DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, sma
 # -- settings: checked in RunConfig before anything touches devices ------------------------
 
 
-def parse_mesh(text: str | None, fsdp: int | None = None) -> dict[str, int] | None:
-    """``"data=4,model=2"`` (and ``--fsdp N``) as ``RunConfig(mesh=...)``; ``None`` if neither is given.
-
-    ``fsdp`` alone means ``{"data": -1, "fsdp": fsdp}``.
-    """
-    if not text and fsdp is None:
-        return None
-    axes: dict[str, int] = {}
-    for item in filter(None, (text or "").split(",")):
-        name, sep, size = item.partition("=")
-        if not sep or not name.strip() or not size.strip().lstrip("-").isdigit():
-            raise ValueError(f"--mesh {text!r}: {item!r} is not name=size; expected e.g. --mesh data=4,model=2.")
-        axes[name.strip()] = int(size)
-    if fsdp is not None:
-        axes[mesh_lib.FSDP_AXIS] = fsdp
-        if not text:
-            axes = {mesh_lib.DATA_AXIS: -1, **axes}
-    return axes
-
-
 def check_mesh_axes(axes) -> dict[str, int] | None:
     """``RunConfig(mesh=...)`` as a dict, or a ValueError/TypeError naming what is wrong."""
     if axes is None:
@@ -232,9 +212,9 @@ def _param_specs(mesh, params, rules, used, fsdp_min_bytes) -> tuple[list[P], li
         spec = spec or (None,) * len(leaf.shape)
         if fsdp > 1 and _nbytes(leaf) >= fsdp_min_bytes and not _uses(spec, mesh_lib.FSDP_AXIS):
             sharded = _with_fsdp(spec, leaf.shape, fsdp)
-            if sharded is None:
+            if sharded is None and source is None:
                 undivided.append(f"{name} {tuple(leaf.shape)}")
-            else:
+            elif sharded is not None:
                 spec, source = sharded, "fsdp" if source is None else f"{source} + fsdp"
         specs.append(_partition_spec(spec))
         sources.append(source or "replicated")

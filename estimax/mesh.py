@@ -49,17 +49,17 @@ def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     sizes = dict(axes)
     rest = [n for n, s in sizes.items() if s == -1]
     known = math.prod(s for s in sizes.values() if s != -1)
-    shown = ",".join(f"{n}={s}" for n, s in axes.items())
+    shown = dict(axes)
     if rest:
         if num_devices % known:
             raise ValueError(
-                f"RunConfig(mesh={{{shown}}}): the fixed axes take {known} devices, which does not divide the "
+                f"RunConfig(mesh={shown}): the fixed axes take {known} devices, which does not divide the "
                 f"{num_devices} devices; expected a product that divides {num_devices}."
             )
         sizes[rest[0]] = num_devices // known
     elif known != num_devices:
         raise ValueError(
-            f"RunConfig(mesh={{{shown}}}) takes {known} devices but there are {num_devices}; expected sizes "
+            f"RunConfig(mesh={shown}) takes {known} devices but there are {num_devices}; expected sizes "
             f"whose product is {num_devices}. Fix: give one axis -1 (the rest of the devices), e.g. data=-1."
         )
     return sizes

@@ -6,6 +6,10 @@ stop. The training loop then saves, waits for the save, and raises
 ``EX_TEMPFAIL``: "temporary failure, run me again"), which schedulers and
 ``estimax launch`` treat as "requeue from the latest checkpoint".
 
+At an interactive prompt (``python -i``, IPython, Jupyter) a Ctrl-C instead
+raises ``Interrupted``, a ``KeyboardInterrupt`` that leaves the interpreter
+running and the trained state in memory; a script or the CLI still exits 75.
+
 With one process, estimax installs its own handlers for the duration of
 ``train``. With several, JAX's preemption sync service (started by
 ``jax.distributed.initialize``) notices SIGTERM, and every process stops at
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 
 import jax
@@ -26,17 +31,53 @@ PREEMPTED_EXIT_CODE = 75
 
 
 class Preempted(SystemExit):
-    """Training stopped on a signal after saving a checkpoint at ``step``."""
+    """Training stopped on a signal at ``step``; ``saved_to`` is the checkpoint directory that
+    holds that step, or ``None`` when nothing was saved (no model_dir)."""
 
-    def __init__(self, step: int, signal_name: str):
+    def __init__(self, step: int, signal_name: str, saved_to: str | None = None):
         super().__init__(PREEMPTED_EXIT_CODE)
-        self.step, self.signal_name = step, signal_name
+        self.step, self.signal_name, self.saved_to = step, signal_name, saved_to
+
+    def __str__(self) -> str:
+        return f"{_stopped(self.step, self.signal_name, self.saved_to)}; exit code {PREEMPTED_EXIT_CODE} " + (
+            "(run the same command again to resume)." if self.saved_to else "(RunConfig(model_dir=None))."
+        )
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C at an interactive prompt stopped training at ``step``; the Estimator keeps the
+    trained state in memory (``saved_to``: as for ``Preempted``)."""
+
+    def __init__(self, step: int, signal_name: str, saved_to: str | None = None):
+        super().__init__(step, signal_name, saved_to)
+        self.step, self.signal_name, self.saved_to = step, signal_name, saved_to
 
     def __str__(self) -> str:
         return (
-            f"{self.signal_name}: training stopped at step {self.step} after saving a checkpoint; "
-            f"exit code {PREEMPTED_EXIT_CODE} (run the same command again to resume)."
+            f"{_stopped(self.step, self.signal_name, self.saved_to)}. The trained state stays in memory "
+            f"(estimator.step == {self.step}): train() again continues from it."
         )
+
+
+def _stopped(step: int, signal_name: str, saved_to: str | None) -> str:
+    saved = f"after saving a checkpoint of it to {saved_to}" if saved_to else "without saving (no model_dir)"
+    return f"{signal_name}: training stopped at step {step} {saved}"
+
+
+def stopped(step: int, signal_name: str, saved_to: str | None) -> Preempted | Interrupted:
+    """The exception that ends a train call on a signal: ``Interrupted`` for a Ctrl-C at an
+    interactive prompt, else ``Preempted`` (exit code 75)."""
+    if signal_name == "SIGINT" and interactive():
+        return Interrupted(step, signal_name, saved_to)
+    return Preempted(step, signal_name, saved_to)
+
+
+def interactive() -> bool:
+    """Whether a person types at a Python prompt: ``python -i``, the REPL, IPython or Jupyter."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None
 
 
 class PreemptionWatch:
@@ -47,8 +88,9 @@ class PreemptionWatch:
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, saves: bool = True):
         self.signal_name: str | None = None
+        self.saves = saves  # whether training saves a checkpoint before it stops (a model_dir)
         self._previous: dict = {}
 
     def __enter__(self) -> PreemptionWatch:
@@ -66,7 +108,9 @@ class PreemptionWatch:
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
-        logger.warning("%s received: finishing the current loop, then saving and exiting.", self.signal_name)
+        then = "returning to the prompt" if signum == signal.SIGINT and interactive() else "exiting"
+        then = f"saving and {then}" if self.saves else f"{then} (no model_dir: nothing is saved)"
+        logger.warning("%s received: finishing the current loop, then %s.", self.signal_name, then)
 
     def requested(self, step: int, since: int | None = None) -> bool:
         """Whether training must stop after ``step`` (the same answer on every process).

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimax import accumulation, precision
+from estimax import accumulation, diagnose, precision
 from estimax import metrics as metrics_lib
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
@@ -76,9 +76,14 @@ class Core:
         if self.compute_dtype is not None:
             params, features = precision.cast_floating((params, features), self.compute_dtype)
         module = self.adapter.bind(params, model_state, mode, key)
-        spec = check_spec(
-            self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size}), mode, batch_size
-        )
+        try:
+            spec = self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size})
+        except Exception as error:  # traced before compiling: said in terms of the input
+            explained = diagnose.model_fn_error(error, features, labels, mode)
+            if explained is None:
+                raise
+            raise explained from error
+        spec = check_spec(spec, mode, batch_size)
         if self.compute_dtype is not None:  # outputs leave in float32, whatever the compute dtype
             spec = Spec(*precision.cast_floating(tuple(spec), jnp.float32))
         return spec, module

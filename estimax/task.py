@@ -19,6 +19,8 @@ and optionally:
   arrays as lists).
 - ``DEFAULTS``: the run settings the command line uses unless given, keyed by
   flag name (``{"batch_size": 128, "max_steps": 400, "loop": "scan"}``).
+- ``SHARDING_RULES``: ``(regex, spec)`` rules (``RunConfig(sharding_rules=...)``)
+  that apply when the run's mesh has every axis they name and no rules were given.
 
 Owns loading a task, checking it against the convention, typing ``--set``
 overrides from the defaults and building the ``Estimator``. Owns no argument
@@ -41,7 +43,7 @@ CONVENTION = (
     "a task module defines model (the factory (rngs, params) -> module, or a wrapped model), model_fn, "
     "optimizer (an optax transformation, or a function of params returning one), train_input(params), "
     "eval_input(params) and params (a dict of defaults); optionally predict_input(params), "
-    "prediction_record(row) and DEFAULTS"
+    "prediction_record(row), DEFAULTS and SHARDING_RULES"
 )
 
 
@@ -82,13 +84,24 @@ class Task:
             model=self.module.model,
             model_fn=self.module.model_fn,
             optimizer=self.optimizer(),
-            config=config,
+            config=with_task_rules(config, getattr(self.module, "SHARDING_RULES", None)),
             params=dict(self.params),
         )
 
     def prediction_record(self, row) -> dict:
         record = getattr(self.module, "prediction_record", None)
         return record(row) if record is not None else to_json(row)
+
+
+def with_task_rules(config, rules):
+    """``config`` with a task's sharding ``rules`` when it names none itself and its mesh has
+    every axis the rules use (the same task then runs on a 1-D data mesh too)."""
+    if not rules or config.sharding_rules or not config.mesh:
+        return config
+    axes = {a for _, spec in rules for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+    if not axes <= set(config.mesh):
+        return config
+    return dataclasses.replace(config, sharding_rules=tuple(rules))
 
 
 def load(spec: str, overrides: Mapping[str, str] = {}) -> Task:

@@ -10,6 +10,7 @@ themselves are ``loop.py``'s; the Estimator sets everything up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,10 +18,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.loop import read_outputs
-from estimax.preemption import Preempted, PreemptionWatch
+from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
 
 logger = logging.getLogger("estimax")
@@ -86,14 +88,14 @@ class TrainingLoop:
         ``publish(state, step, input_state)`` is called after every dispatch, so that the
         caller always holds the newest state (also when an error stops training).
         """
-        began, step, previous, stop = time.perf_counter(), info.start_step, None, False
+        began, step, previous, last, stop = time.perf_counter(), info.start_step, None, None, False
         self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
         for hook in self.hooks:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {step})")
         try:
-            with PreemptionWatch() as preemption:
+            with PreemptionWatch(saves=self.checkpointer is not None) as preemption:
                 for chunk in chunks:
                     self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
                     self.profiler.before_loop(step, state)
@@ -107,41 +109,48 @@ class TrainingLoop:
                     current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
                     step = current.step_after
                     publish(state, step, current.input_state)
-                    if previous is not None:
-                        stop |= self._after_loop(previous, chunks)
-                    previous = current
-                    self.profiler.after_loop(step, state)
-                    if preemption.requested(step, since=current.step_before):
-                        break
-                    if evaluation is not None and (
-                        evaluation.every_steps
-                        and step // evaluation.every_steps > current.step_before // evaluation.every_steps
-                    ):
-                        # The evaluation waits for this loop anyway: report it first, untimed.
-                        stop |= self._after_loop(current, chunks, untimed=True)
-                        previous = None
-                        stop |= self._evaluate(evaluation, state, current, preemption)
-                    if self.checkpointer and self.checkpointer.due(current.step_before, step):
+                    due = bool(self.checkpointer) and self.checkpointer.due(current.step_before, step)
+                    with self._saving_on_error(state, current, due):
+                        if previous is not None:
+                            stop |= self._after_loop(previous, chunks)
+                        previous = last = current
+                        self.profiler.after_loop(step, state)
+                        if preemption.requested(step, since=current.step_before):
+                            break
+                        if evaluation is not None and (
+                            evaluation.every_steps
+                            and step // evaluation.every_steps > current.step_before // evaluation.every_steps
+                        ):
+                            # The evaluation waits for this loop anyway: report it first, untimed.
+                            stop |= self._after_loop(current, chunks, untimed=True)
+                            previous = None
+                            stop |= self._evaluate(evaluation, state, current, preemption)
+                    if due:
                         self._save(state, current)
                     if stop:
                         self.stopped = True
                         break
-            if previous is not None:
-                self._after_loop(previous, chunks, final=True)
-            if preemption.signal_name is None and evaluation is not None and not stop:
-                self._evaluate(evaluation, state, previous, preemption, final=True)
+            with self._saving_on_error(state, last, bool(self.checkpointer) and last is not None):
+                if previous is not None:
+                    self._after_loop(previous, chunks, final=True)
+                if preemption.signal_name is None and evaluation is not None and not stop:
+                    self._evaluate(evaluation, state, previous, preemption, final=True)
+            if self.checkpointer and last is not None:
+                self._save(state, last)
             self.profiler.stop(state)
-            if self.checkpointer and previous is not None:
-                self._save(state, previous)
+            if self.checkpointer:
                 timer = time.perf_counter()
                 self.checkpointer.wait()
                 self.seconds["checkpoint"] += time.perf_counter() - timer
             self.seconds["input_wait"] = chunks.wait_seconds
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:
-                preempted = Preempted(step, preemption.signal_name)
-                logger.warning("%s", preempted)
-                raise preempted
+                saved = self.checkpointer is not None and self.checkpointer.latest_step() == step
+                stopped = preemption_lib.stopped(
+                    step, preemption.signal_name, self.checkpointer.directory if saved else None
+                )
+                logger.warning("%s", stopped)
+                raise stopped
             return state, step
         except BaseException:
             if self.checkpointer:
@@ -149,6 +158,19 @@ class TrainingLoop:
             raise
 
     # -- at a loop boundary ----------------------------------------------------
+    @contextlib.contextmanager
+    def _saving_on_error(self, state, loop: _Loop | None, due: bool):
+        """A mistake found at a loop boundary (a hook, a writer, an evaluation) never discards
+        the checkpoint that was due there: it is saved, then the error goes on."""
+        try:
+            yield
+        except NonFiniteError:
+            raise  # never save a state that came out of a NaN
+        except Exception:
+            if due and loop is not None:
+                self._save(state, loop)
+            raise
+
     def _after_loop(self, loop: _Loop, chunks, final: bool = False, untimed: bool = False) -> bool:
         outputs = self._checked(loop)
         now = time.perf_counter()

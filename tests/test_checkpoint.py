@@ -124,7 +124,7 @@ def test_warm_start_loads_selected_parameters_and_reports_the_plan(tmp_path):
     tuned.train(DATA, max_steps=4)
     again = estimator(str(tmp_path / "tuned"), classes=5, optimizer=optax.adam(1e-2), warm_start=warm)
     assert again.step == 4  # its own checkpoint wins over the warm start
-    with pytest.raises(ex.CheckpointError, match=r"tree structures do not match.*model or optimizer changed"):
+    with pytest.raises(ex.CheckpointError, match=r"another model or optimizer; arrays removed: opt_state/0/count"):
         _ = estimator(str(tmp_path / "tuned"), classes=5).step  # another optimizer state
 
 

@@ -114,6 +114,47 @@ def test_a_checkpoint_of_two_processes_restores_in_one(runs, tmp_path):
     assert abs(restored["eval"]["loss"] - two["eval"]["loss"]) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """The same job with parameters and Adam's state sharded over fsdp=8: 1 x 8 devices and 2 x 4."""
+    root = tmp_path_factory.mktemp("fsdp")
+    _one_process(str(root / "one"), str(root / "one-out"), "train", "8", "0", "fsdp")
+    _finish(_launcher(str(root / "two"), str(root / "two-out"), "train", "8", "0", "fsdp"))
+    return root, _result(root / "one-out"), _result(root / "two-out")
+
+
+def test_tensor_parallel_over_two_processes_matches_fsdp_in_one_process(fsdp_runs, tmp_path):
+    _, one, _ = fsdp_runs
+    _finish(_launcher(str(tmp_path / "run"), str(tmp_path / "out"), "train", "8", "0", "tp"))
+    two = _result(tmp_path / "out")
+    assert two["kernel_spec"] == [None, "model"]
+    assert _max_difference(one["losses"], two["losses"]) <= 1e-5
+    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert two["eval"]["num_examples"] == 203
+    np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)  # gathered, each row once
+    local = [json.load(open(tmp_path / "out" / f"local-{p}.json"))["classes"] for p in range(2)]
+    assert [len(c) for c in local] == [102, 101]  # rows held twice (over "model") are yielded once
+
+
+def test_fsdp_over_two_processes_trains_evaluates_and_predicts_like_one_process(fsdp_runs):
+    _, one, two = fsdp_runs
+    assert one["kernel_spec"] == two["kernel_spec"] == [None, "fsdp"]  # spans both processes
+    assert (one["processes"], two["processes"], two["step"]) == (1, 2, 8)
+    assert _max_difference(one["losses"], two["losses"]) <= 1e-5
+    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert one["eval"]["num_examples"] == two["eval"]["num_examples"] == 203
+    assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= 1e-5
+    np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)
+
+
+def test_a_fsdp_checkpoint_of_two_processes_restores_bitwise_in_one_replicated_process(fsdp_runs, tmp_path):
+    root, _, two = fsdp_runs
+    _one_process(str(root / "two"), str(tmp_path), "evaluate", "8", "0", "adam")  # no mesh: everything replicated
+    restored = _result(tmp_path)
+    assert restored["kernel_spec"] == [] and restored["step"] == 8
+    assert _max_difference(restored["params"], two["params"]) == 0.0
+
+
 def _steps(model_dir):
     root = os.path.join(model_dir, "checkpoints")
     return [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []

@@ -22,6 +22,7 @@ from models import blobs
 from models import estimator as mlp_estimator
 
 import estimax as ex
+from estimax import cli
 from estimax import layout as layout_lib
 from estimax.state import leaf_names
 
@@ -175,10 +176,10 @@ def test_minus_one_takes_the_rest_and_axes_are_laid_out_data_fsdp_then_model():
     assert dict(est.mesh.shape) == {"data": 4, "model": 2}
     est = tiny(mesh={"fsdp": -1})
     assert dict(est.mesh.shape) == {"data": 1, "fsdp": 8}
-    assert layout_lib.parse_mesh("data=4,model=2") == {"data": 4, "model": 2}
-    assert layout_lib.parse_mesh(None, fsdp=8) == {"data": -1, "fsdp": 8}
-    assert layout_lib.parse_mesh("data=2,model=2", fsdp=2) == {"data": 2, "model": 2, "fsdp": 2}
-    assert layout_lib.parse_mesh(None) is None
+    assert cli.mesh_axes("data=4,model=-1") == {"data": 4, "model": -1}  # estimax train --mesh data=4,model=-1
+    assert cli.with_fsdp(None, 8) == {"data": -1, "fsdp": 8}  # --fsdp 8
+    assert cli.with_fsdp({"data": 2, "model": 2}, 2) == {"data": 2, "model": 2, "fsdp": 2}
+    assert cli.with_fsdp({"model": 2}, 2) == {"data": -1, "model": 2, "fsdp": 2}
 
 
 @pytest.mark.parametrize(
@@ -228,7 +229,7 @@ def test_fsdp_8_holds_an_eighth_of_the_state_per_device():
     assert replicated.sharding_plan().totals["total"] == replicated_bytes == sharded.sharding_plan().replicated_total
 
 
-def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device(caplog):
+def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device():
     est = tiny(**LAYOUTS["data=2,fsdp=2,model=2"])
     plan = est.sharding_plan()
     assert [r.path for r in plan if r.kind == "params"] == leaf_names(est.state_shapes().params)
@@ -237,12 +238,20 @@ def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_
     assert row.bytes_per_device == 32 * 32 * 4 // 4 and row.placed_by == "rule 0 + fsdp"
     assert next(r for r in plan if r.path == "norm1/scale").placed_by == "fsdp"
     assert next(r for r in plan if r.path == "head/bias").placed_by == "replicated"  # 3 does not divide by fsdp=2
+    assert plan.totals["params"] == sum(r.bytes_per_device for r in plan if r.kind == "params")
+    assert plan.totals["total"] == sum(plan.totals[k] for k in ("params", "opt_state", "model_state", "other"))
     text = str(plan)
     assert "attn/query/kernel" in text and "P('fsdp', 'model')" in text and "per device: params" in text
-    with caplog.at_level(logging.INFO, logger="estimax"):
-        est.train(ex.data.from_arrays(*sequences(64)), max_steps=1)
-    first = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Training steps"))
-    assert f"state {layout_lib.format_bytes(plan.totals['total'])} per device" in first
+    est = mlp_estimator(**MLP_LAYOUT)
+    records, handler = [], logging.Handler(logging.INFO)
+    handler.emit = records.append
+    logging.getLogger("estimax").addHandler(handler)  # the estimax logger does not propagate to pytest's
+    try:
+        est.train(ex.data.from_arrays(*blobs(64)), max_steps=1)
+    finally:
+        logging.getLogger("estimax").removeHandler(handler)
+    first = next(r.getMessage() for r in records if r.getMessage().startswith("Training steps"))
+    assert f"state {layout_lib.format_bytes(est.sharding_plan().totals['total'])} per device" in first
     assert "mesh data=2 x fsdp=2 x model=2" in first
 
 
@@ -312,8 +321,6 @@ def test_settings_are_checked_when_the_config_is_made():
         ex.RunConfig(sharding_rules=[(r".*kernel", "model")])
     with pytest.raises(ValueError, match=r"'\(unclosed' is not a regex"):
         ex.RunConfig(sharding_rules=[(r"(unclosed", (None,))])
-    with pytest.raises(ValueError, match=r"'data4' is not name=size"):
-        layout_lib.parse_mesh("data4")
     est = tiny(mesh={"data": 2, "fsdp": 2, "model": 2}, train_batch_size=10)
     with pytest.raises(
         ValueError,
@@ -422,3 +429,27 @@ def test_a_sharded_run_killed_and_resumed_is_bitwise_identical(tmp_path):
     a, b = final(reference), final(killed)
     for k in a:
         np.testing.assert_array_equal(b[k], a[k])
+
+
+def test_an_optimizer_whose_init_needs_real_parameters_is_matched_by_path_and_shape():
+    def init(params):  # indexes the parameters: cannot run on optax's placeholders
+        return {"trace": jax.tree.map(jnp.zeros_like, params), "first_kernel": jnp.zeros_like(params["l1"]["kernel"])}
+
+    def update(grads, state, params=None):
+        trace = jax.tree.map(lambda t, g: 0.9 * t + g, state["trace"], grads)
+        return jax.tree.map(lambda t: -0.1 * t, trace), {**state, "trace": trace}
+
+    est = mlp_estimator(optimizer=optax.GradientTransformation(init, update), **MLP_LAYOUT)
+    est.train(ex.data.from_arrays(*blobs(64)), max_steps=2)
+    state = est._ensure_state()
+    kernel = state.params["l1"]["kernel"].get_value().sharding.spec
+    assert kernel == P("fsdp", "model")
+    assert state.opt_state["trace"]["l1"]["kernel"].get_value().sharding.spec == kernel
+    assert state.opt_state["first_kernel"].sharding.spec == P()  # not a parameter's path: replicated
+
+
+def test_a_bad_mesh_on_the_command_line_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--example", "digits", "--mesh", "data4"])
+    assert exit_info.value.code == 2
+    assert "received 'data4'; expected name=size pairs, e.g. data=4,model=2" in capsys.readouterr().err

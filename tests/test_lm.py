@@ -119,3 +119,16 @@ def test_estimax_train_example_lm_on_a_directory_of_text(tmp_path):
     bits, examples = re.search(r"held-out bits_per_byte (\S+) on (\d+) examples after 4 steps", out).groups()
     held_out_bytes = sum(os.path.getsize(data_dir / f"{i:02d}.txt") for i in (9, 19))  # one file in ten
     assert 0 < float(bits) < 8 and int(examples) == (held_out_bytes - 1) // lm.MODEL["seq_len"]
+
+
+def test_the_task_applies_its_rules_on_a_mesh_that_has_their_axes():
+    from estimax import task
+
+    lm_task = task.load("estimax.examples.lm", {"dim": "32", "num_heads": "2", "num_layers": "1"})
+    on_model_axis = lm_task.estimator(ex.RunConfig(mesh={"data": 4, "model": 2}, quiet=True)).sharding_plan()
+    placed = {row.path: row.placed_by for row in on_model_axis}
+    assert placed["blocks/0/attn/query/kernel"].startswith("rule")
+    assert str(on_model_axis.rows[0].spec) and any("model" in str(row.spec) for row in on_model_axis)
+    # Without a model axis the same task runs data-parallel: its rules do not apply (nor fail).
+    data_only = lm_task.estimator(ex.RunConfig(mesh={"data": 8}, quiet=True)).sharding_plan()
+    assert all(row.placed_by == "replicated" for row in data_only)

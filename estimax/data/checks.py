@@ -42,6 +42,38 @@ class BatchChecker:
         return jax.tree.unflatten(treedef, leaves)
 
 
+# Datasets of other libraries, recognised by the module of their class (never imported here).
+_FOREIGN = {
+    "torch": (
+        "a PyTorch {name}",
+        "iterate it as numpy, e.g. `((x.numpy(), y.numpy()) for x, y in loader)` (a plain iterable of "
+        "(features, labels) batches), or better ex.data.from_arrays(features, labels) on its arrays",
+    ),
+    "tensorflow": (
+        "a TensorFlow {name}",
+        "pass `dataset.as_numpy_iterator()` of (features, labels) batches, or read TFRecord files "
+        "directly with ex.data.tfrecord(...)",
+    ),
+    "datasets": (
+        "a Hugging Face {name}",
+        "convert its columns to numpy, e.g. `d = dataset.with_format('numpy')[:]` then "
+        "ex.data.from_arrays({'x': d['x']}, d['label'])",
+    ),
+}
+
+
+def check_source(source) -> None:
+    """A ``TypeError`` for a dataset of another library passed as it is, with the conversion."""
+    module = type(source).__module__.split(".")[0]
+    if module in _FOREIGN:
+        what, fix = _FOREIGN[module]
+        raise TypeError(
+            f"Input is {what.format(name=type(source).__name__)}, which estimax does not read as it is; expected "
+            f"estimax.data.from_arrays(...), from_grain(...), a file source or an iterable of numpy "
+            f"(features, labels) batches. Fix: {fix}."
+        )
+
+
 def check_pair(item, what: str = "Input") -> None:
     if not (isinstance(item, tuple) and len(item) == 2):
         raise TypeError(

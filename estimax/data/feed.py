@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from estimax import mesh as mesh_lib
-from estimax.data.checks import BatchChecker, check_pair
+from estimax.data.checks import BatchChecker, check_pair, check_source
 
 __all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "train_stacks", "eval_batches"]
 
@@ -89,6 +89,7 @@ def train_stacks(
     stacked here, and may end early with a shorter stack. The process index
     and count default to JAX's.
     """
+    check_source(source)
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if hasattr(source, "train_stacks"):
@@ -132,6 +133,7 @@ def eval_batches(
     so that every process runs the same steps and each example counts once.
     Plain iterables must yield the same number of batches on every process.
     """
+    check_source(source)
     if hasattr(source, "eval_batches"):
         return source.eval_batches(
             host_batch_size,

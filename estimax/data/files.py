@@ -27,26 +27,44 @@ class File(NamedTuple):
 
     def open(self):
         handle = self.fs.open(self.path, "rb")
-        return gzip.GzipFile(fileobj=handle) if self.path.endswith(".gz") else handle
+        return _CheckedGzip(self.name, handle) if self.path.endswith(".gz") else handle
 
     def read(self) -> bytes:
         """The whole file, decompressed if ``.gz``; a damaged ``.gz`` is an error naming the file."""
         with self.open() as f:
-            try:
-                return f.read()
-            except (EOFError, OSError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
-                if not self.path.endswith(".gz"):
-                    raise
-                raise ValueError(
-                    f"{self.name}: not a complete gzip file ({error}); expected the whole download. "
-                    "Fix: download it again, or gunzip a good copy."
-                ) from None
+            return f.read()
 
     def read_range(self, start: int, end: int) -> bytes:
         return self.fs.cat_file(self.path, start=start, end=end)
 
     def size(self) -> int:
         return self.fs.size(self.path)
+
+
+class _CheckedGzip(gzip.GzipFile):
+    """A gzip stream whose truncated or corrupt data is a ``ValueError`` naming the file."""
+
+    def __init__(self, display: str, handle):
+        super().__init__(fileobj=handle)
+        self._display = display
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return super().read(size)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise self._error(error) from None
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        try:
+            return super().seek(offset, whence)
+        except (EOFError, gzip.BadGzipFile, zlib.error) as error:
+            raise self._error(error) from None
+
+    def _error(self, error: Exception) -> ValueError:
+        return ValueError(
+            f"{self._display}: not a complete gzip file ({type(error).__name__}: {error}); expected the whole "
+            "download. Fix: download it again, or gunzip a good copy (`gzip -t FILE` checks a file)."
+        )
 
 
 def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]:

@@ -27,7 +27,6 @@ Run it: ``estimax train --example lm`` or ``python -m estimax.examples.lm``.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import sysconfig
@@ -39,6 +38,7 @@ import optax
 from flax import nnx
 
 import estimax as ex
+from estimax.task import with_task_rules
 
 VOCAB_SIZE = 256  # bytes
 HELD_OUT_EVERY = 10  # file i is held out when i % 10 == 9
@@ -167,8 +167,7 @@ def estimator(config: ex.RunConfig, **overrides) -> ex.Estimator:
     On a mesh with a ``model`` axis and no rules of the user's, ``SHARDING_RULES``
     apply (and an ``fsdp`` axis adds FSDP on the other dimension of each kernel).
     """
-    if config.mesh and "model" in config.mesh and not config.sharding_rules:
-        config = dataclasses.replace(config, sharding_rules=SHARDING_RULES)
+    config = with_task_rules(config, SHARDING_RULES)
     hparams = {**params, **overrides}
     return ex.Estimator(model=model, model_fn=model_fn, optimizer=optimizer(hparams), config=config, params=hparams)
 

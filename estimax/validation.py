@@ -1,0 +1,74 @@
+"""Checks that run before the first training step, so that no step is trained in vain.
+
+Owns the up-front checks of a ``train``/``train_and_evaluate`` call that do
+not need a compiled step: hooks that are not ``Hook``s, and the metric names
+that ``best_metric`` and early stopping refer to, derived from the abstract
+evaluation outputs (``jax.eval_shape`` of the model_fn in EVAL mode on the
+shapes of the first evaluation batch: nothing is evaluated). Batch sizes are
+checked by ``mesh.check_batch_size``, writability by ``lock.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from estimax.hooks import EarlyStopping, Hook
+
+
+def check_hooks(hooks) -> list[Hook]:
+    """``hooks`` as a list, or a ``TypeError`` naming the one that is not an ``estimax.hooks.Hook``."""
+    if isinstance(hooks, Hook):
+        raise TypeError(
+            f"hooks={hooks!r} is one Hook; expected a list of them. Fix: hooks=[{type(hooks).__name__}(...)]."
+        )
+    hooks = list(hooks)
+    for i, hook in enumerate(hooks):
+        if not isinstance(hook, Hook):
+            raise TypeError(
+                f"hooks[{i}] is {type(hook).__name__} ({hook!r}); expected an estimax.hooks.Hook. Fix: subclass "
+                "Hook and override begin/after_loop/after_eval/end (a plain function is not called)."
+            )
+    return hooks
+
+
+def metric_names(value_shapes: dict) -> list[str]:
+    """The names an evaluation reports, from ``Core.eval_values``'s abstract outputs."""
+    return sorted({*value_shapes, "num_examples"})
+
+
+def metrics_used(hooks: Sequence[Hook], best_metric: str | None) -> dict[str, str]:
+    """``{metric: who uses it}`` of the eval metrics that ``best_metric`` and early stopping read."""
+    used = {best_metric: f"best_metric={best_metric!r}"} if best_metric is not None else {}
+    for hook in hooks:
+        if isinstance(hook, EarlyStopping) and hook.split == "eval":
+            used.setdefault(hook.metric, f"EarlyStopping(metric={hook.metric!r})")
+    return used
+
+
+def check_metric_names(used: dict[str, str], names: list[str]) -> None:
+    unknown = {m: who for m, who in used.items() if m not in names}
+    if unknown:
+        who = ", ".join(unknown.values())
+        raise ValueError(
+            f"{who}: not among the evaluation's metrics {names}; expected one of them (the loss and the "
+            "names of Spec(metrics=...) in EVAL mode). Fix: correct the name."
+        )
+
+
+def first_eval_batch(source, host_batch_size: int):
+    """The first host batch of an input that can be read again without side effects
+    (``from_arrays``, Grain and file sources), else ``None``."""
+    if not hasattr(source, "eval_batches"):
+        return None
+    batches = source.eval_batches(host_batch_size, process_index=0, process_count=1)
+    return next(iter(batches), None)
+
+
+def abstract_batch(batch, global_batch_size: int):
+    """``ShapeDtypeStruct``s of a host batch with the global batch as leading axis."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype), batch
+    )

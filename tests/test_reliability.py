@@ -1,0 +1,390 @@
+"""Nothing lost, nothing silent: healing damaged checkpoints, one writer per model_dir, Ctrl-C at a
+prompt, no silent initial weights, checks before the first step, and estimax's own errors.
+
+Real processes, real files and real signals: ``reliability_job.py`` and ``python -m estimax.cli``
+run as subprocesses, a read-only bind mount and a small tmpfs where this machine allows mounting.
+"""
+
+import contextlib
+import gzip
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import optax
+import pytest
+from models import blobs, estimator
+
+import estimax as ex
+from estimax.estimator import UntrainedWarning
+from estimax.lock import LOCK_FILE, Lock, ModelDirLocked, ModelDirNotWritable, holder_record, process_start
+
+TESTS = os.path.dirname(__file__)
+JOB = os.path.join(TESTS, "reliability_job.py")
+DATA = ex.data.from_arrays(*blobs(256))
+
+
+def _steps(model_dir):
+    root = os.path.join(model_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(root) if n.isdigit()) if os.path.isdir(root) else []
+
+
+def _job(model_dir, max_steps, *extra, expect=0):
+    done = subprocess.run(
+        [sys.executable, JOB, model_dir, str(max_steps), *extra], capture_output=True, text=True, timeout=180
+    )
+    out = done.stdout + done.stderr
+    assert done.returncode == expect, out
+    return out
+
+
+def _wait_for(condition, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _truncate_arrays(model_dir, step):
+    root = os.path.join(model_dir, "checkpoints", str(step), "state")
+    for r, _, files in os.walk(root):
+        for f in files:
+            if os.path.basename(r) == "d":
+                path = os.path.join(r, f)
+                os.truncate(path, os.path.getsize(path) // 2)
+
+
+# -- 1: heal, don't loop -----------------------------------------------------------
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_saved_again(model_dir):
+    estimator(model_dir, loop="step", steps_per_loop=2, save_every_steps=2).train(DATA, max_steps=8)
+    assert _steps(model_dir) == [4, 6, 8]
+    _truncate_arrays(model_dir, 8)
+    out = _job(model_dir, 8)  # falls back to 6, moves 8 aside, retrains 7-8 and saves 8 again
+    assert "checkpoints/8 cannot be used" in out and "Restored step 6" in out
+    assert "Moved the damaged checkpoint" in out and "Saved step 8 again" in out
+    names = os.listdir(os.path.join(model_dir, "checkpoints"))
+    aside = [n for n in names if n.startswith("8.corrupt-")]
+    assert len(aside) == 1 and _steps(model_dir) == [4, 6, 8]
+    assert os.listdir(os.path.join(model_dir, "checkpoints", aside[0], "state"))  # kept, for inspection
+    out = _job(model_dir, 8)  # the third run restores the newest step, without falling back
+    assert "Restored checkpoint step 8" in out and "cannot be used" not in out
+    reader = estimator(model_dir)
+    reader.evaluate(DATA)
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f][-1] == 8  # evaluate used the newest step
+
+
+# -- 2: one writer per model_dir ---------------------------------------------------
+
+
+def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp_path):
+    model_dir = str(tmp_path / "run")
+    command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--loop", "step"]
+    command += ["--batch-size", "16", "--steps-per-loop", "2", "--max-steps", "12"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _wait_for(lambda: os.path.exists(os.path.join(model_dir, LOCK_FILE)), first)
+    second = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    out = second.stdout + second.stderr
+    assert second.returncode == 2 and "estimax: error: " in out and "Traceback" not in out, out  # one line
+    assert f"model_dir {model_dir} is being written by another process: host {socket.gethostname()}, " in out
+    assert f"pid {first.pid}" in out and "estimax.cli train" in out and "Training steps" not in out
+    first_out, _ = first.communicate(timeout=180)
+    assert first.returncode == 0, first_out
+    assert _steps(model_dir) == [12] and not os.path.exists(os.path.join(model_dir, LOCK_FILE))
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    train_steps = [r["step"] for r in records if r["split"] == "train"]
+    assert train_steps == sorted(set(train_steps))  # one writer: no step twice
+
+
+def test_the_stale_lock_of_a_killed_writer_is_taken_over(model_dir):
+    process = subprocess.Popen([sys.executable, JOB, model_dir, "400", "slow"], stdout=subprocess.PIPE, text=True)
+    _wait_for(lambda: _steps(model_dir), process)
+    process.kill()
+    process.wait()
+    with open(os.path.join(model_dir, LOCK_FILE)) as f:
+        assert json.load(f)["pid"] == process.pid  # left behind by the killed process
+    out = _job(model_dir, max(_steps(model_dir)) + 2)
+    assert f"Took over the stale lock of model_dir {os.path.abspath(model_dir)}: its holder is gone" in out
+    assert f"pid {process.pid}" in out and not os.path.exists(os.path.join(model_dir, LOCK_FILE))
+
+
+def test_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path, caplog):
+    path = tmp_path / LOCK_FILE
+    alive = {**holder_record(), "process_start": process_start(os.getpid()) - 1}  # this pid, started earlier
+    path.write_text(json.dumps(alive))
+    with Lock(str(tmp_path)) as lock:
+        assert json.loads(path.read_text())["process_start"] == process_start(os.getpid()) and lock.held
+    assert "Took over the stale lock" in caplog.text and not path.exists()
+    path.write_text(json.dumps({**holder_record(), "host": "elsewhere", "pid": 12345}))
+    with pytest.raises(ModelDirLocked, match=r"being written by another process: host elsewhere, pid 12345.*delete"):
+        estimator(str(tmp_path)).train(DATA, max_steps=2)
+
+
+def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
+    model_dir, holder = str(tmp_path / "run"), {**holder_record(), "host": "elsewhere", "pid": 4242}
+    os.makedirs(model_dir)
+    with open(os.path.join(model_dir, LOCK_FILE), "w") as f:
+        json.dump(holder, f)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS])
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
+    command += ["--", sys.executable, os.path.join(TESTS, "multihost_job.py"), model_dir, str(tmp_path / "out")]
+    done = subprocess.run([*command, "train", "8"], env=env, capture_output=True, text=True, timeout=180)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    # Process 0 tried the lock; process 1 learnt the outcome from it: both stop with the same error.
+    assert out.count("ModelDirLocked: model_dir") >= 2 and "host elsewhere, pid 4242" in out, out
+    assert _steps(model_dir) == [] and json.load(open(os.path.join(model_dir, LOCK_FILE))) == holder
+
+
+def test_evaluate_of_a_run_in_training_writes_nothing_into_it(model_dir, caplog):
+    estimator(model_dir).train(DATA, max_steps=4)
+    with Lock(model_dir):  # another writer
+        results = estimator(model_dir).evaluate(DATA)
+    assert results["num_examples"] == 256
+    assert "evaluation of step 4 is not written" in caplog.text
+    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
+        assert all(json.loads(line)["split"] != "eval" for line in f)
+
+
+# -- 3: Ctrl-C at an interactive prompt --------------------------------------------
+
+
+def _read_until(fd, text, timeout=120):
+    seen, deadline = b"", time.monotonic() + timeout
+    while text.encode() not in seen:
+        assert time.monotonic() < deadline, f"no {text!r} in {seen.decode(errors='replace')}"
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                break
+    return seen.decode(errors="replace")
+
+
+def test_ctrl_c_at_an_interactive_prompt_keeps_the_trained_state():
+    main, terminal = os.openpty()  # `python -i` on a terminal: the prompt a person types at
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), TESTS])}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    python = subprocess.Popen(
+        [sys.executable, "-i", "-q"], stdin=terminal, stdout=terminal, stderr=terminal, env=env, close_fds=True
+    )
+    os.close(terminal)
+    try:
+        code = (
+            "import sys, time, estimax as ex; from models import blobs, estimator; "
+            "est = estimator(None, loop='step', steps_per_loop=1); "
+            "Slow = type('Slow', (ex.Hook,), {'after_loop': lambda self, loop: "
+            "(print('TRAIN' + 'ING', flush=True), time.sleep(0.05))}); "
+            "est.train(ex.data.from_arrays(*blobs(256)), max_steps=10**6, hooks=[Slow()])\n"
+        )
+        _read_until(main, ">>> ")
+        os.write(main, code.encode())
+        _read_until(main, "TRAINING")
+        python.send_signal(signal.SIGINT)  # what Ctrl-C on the terminal sends
+        out = _read_until(main, ">>> ")  # the prompt is back
+        os.write(
+            main,
+            b"print('STEP', est.step, type(sys.last_value).__name__, isinstance(sys.last_value, KeyboardInterrupt))\n",
+        )
+        out += _read_until(main, "Interrupted True")
+    finally:
+        with contextlib.suppress(OSError):
+            os.write(main, b"exit()\n")
+        python.wait(timeout=60)
+        os.close(main)
+    assert "SIGINT received: finishing the current loop, then returning to the prompt (no model_dir" in out
+    stopped = int(out.split("training stopped at step ")[1].split()[0])
+    assert f"training stopped at step {stopped} without saving (no model_dir)" in out
+    assert "after saving" not in out and "SystemExit" not in out
+    assert f"STEP {stopped} Interrupted True" in out and stopped > 0
+
+
+# -- 4: no silent initial weights ------------------------------------------------------
+
+
+def test_evaluate_predict_and_model_warn_once_about_initial_weights(model_dir):
+    est = estimator(model_dir)
+    with pytest.warns(
+        UntrainedWarning,
+        match=rf"evaluate\(\) uses the initial, untrained weights: model_dir '{model_dir}' has no checkpoint",
+    ):
+        est.evaluate(DATA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntrainedWarning)  # once per Estimator
+        next(iter(est.predict(DATA)))
+        est.train(DATA, max_steps=2)
+        estimator(model_dir).evaluate(DATA)  # restored: no warning
+    with pytest.warns(UntrainedWarning, match=r"predict\(\) uses .*model_dir=None"):
+        next(iter(estimator().predict(DATA)))
+    with pytest.warns(UntrainedWarning, match=r"model\(\) uses"):
+        estimator().model()
+
+
+# -- 5 and 6: checks before the first step; read-only model_dir ----------------------------
+
+
+@contextlib.contextmanager
+def _read_only(directory):
+    """``directory`` read-only: a read-only bind mount (root), else permissions (other users)."""
+    os.makedirs(directory, exist_ok=True)
+    if os.geteuid() != 0:
+        os.chmod(directory, 0o555)
+        try:
+            yield
+        finally:
+            os.chmod(directory, 0o755)
+        return
+    if subprocess.run(["mount", "--bind", directory, directory], capture_output=True).returncode != 0:
+        pytest.skip("root cannot bind-mount here, and permissions do not bind root")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", directory], check=True, capture_output=True)
+        yield
+    finally:
+        subprocess.run(["umount", directory], check=True)
+
+
+def test_mistakes_are_found_before_the_first_step(model_dir):
+    est = estimator(model_dir, eval_batch_size=12)
+    with pytest.raises(ValueError, match=r"eval_batch_size=12\) does not divide the 8 devices.*use 8 or 16"):
+        est.train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+    with pytest.raises(ValueError, match=r"predict_batch_size=4\) does not divide"):
+        estimator(model_dir, predict_batch_size=4).train(DATA, max_steps=4)
+    with pytest.raises(
+        ValueError,
+        match=r"best_metric='acc': not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]",
+    ):
+        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, best_metric="acc")
+    stopping = ex.EarlyStopping("val_loss")
+    with pytest.raises(ValueError, match=r"EarlyStopping\(metric='val_loss'\): not among the evaluation's metrics"):
+        estimator(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, hooks=[stopping])
+    with pytest.raises(TypeError, match=r"hooks\[0\] is function .*expected an estimax.hooks.Hook"):
+        estimator(model_dir).train(DATA, max_steps=4, hooks=[lambda loop: None])
+    assert _steps(model_dir) == [] and not os.path.exists(os.path.join(model_dir, "metrics.jsonl"))
+
+
+def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
+    features, labels = blobs(64)
+    plain = [({"x": features["x"][i : i + 32]}, labels[i : i + 32]) for i in (0, 32)]  # cannot be read ahead
+    est = estimator(model_dir, save_every_steps=4)
+    with pytest.raises(ValueError, match=r"best_metric='acc' is not among the evaluation's metrics"):
+        est.train_and_evaluate(iter(plain * 8), plain, max_steps=8, eval_every_steps=4, best_metric="acc")
+    assert _steps(model_dir) == [4] and estimator(model_dir).step == 4
+    # The end of training is saved also when its last loop was evaluated at the boundary.
+    estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=8)
+    assert _steps(model_dir) == [4, 8]
+
+
+def test_a_read_only_model_dir(model_dir, caplog):
+    estimator(model_dir).train(DATA, max_steps=4)
+    with _read_only(model_dir):
+        est = estimator(model_dir)
+        with pytest.raises(
+            ModelDirNotWritable,
+            match=rf"model_dir {model_dir} is not writable \((Read-only file system|Permission denied)\).*Fix:",
+        ):
+            est.train(DATA, max_steps=8)
+        assert est.step == 4 and _steps(model_dir) == [4]  # nothing trained
+        results = est.evaluate(DATA)  # the results come back; that they were not written is said
+        assert results["num_examples"] == 256
+        assert "evaluation of step 4 is not written" in caplog.text and "is not writable" in caplog.text
+
+
+# -- the setup of a model_dir changed -----------------------------------------------------
+
+
+def test_another_model_is_an_error_naming_the_arrays_another_setup_a_warning(model_dir, caplog):
+    estimator(model_dir).train(DATA, max_steps=4)
+    with pytest.raises(
+        ex.CheckpointError,
+        match=r"saved by another model or optimizer; arrays other shape: params/l2/bias \(5,\) now, \(3,\) saved, "
+        r"params/l2/kernel \(32, 5\) now, \(32, 3\) saved\..*WarmStart\(",
+    ):
+        _ = estimator(model_dir, classes=5).step
+    with pytest.raises(ex.CheckpointError, match=r"arrays added: opt_state/0/count.*opt_state/0/mu/l1/bias"):
+        _ = estimator(model_dir, optimizer=optax.adam(1e-3)).step
+    changed = estimator(model_dir, train_batch_size=64, lr=0.05, seed=3)
+    assert changed.step == 4
+    assert (
+        "Resuming step 4 of" in caplog.text
+        and "train_batch_size 32 when saved, 64 now; seed 0 when saved, 3 now; "
+        "optimizer hyper-parameters (1.step_size -0.1 -> -0.05)"
+        in caplog.text
+    )
+
+
+# -- 7: errors are estimax's -----------------------------------------------------------
+
+
+def test_model_fn_and_input_mistakes_are_estimax_errors(tmp_path):
+    features, labels = blobs(64)
+    with pytest.raises(
+        ex.ModelFnError,
+        match=r"model_fn raised in train mode, and the input has no labels \(labels is None\): .*Fix: give",
+    ):
+        estimator().train(ex.data.from_arrays(features), max_steps=1)
+    with pytest.raises(
+        ex.ModelFnError,
+        match=r"in train mode: TypeError: .*integer.* labels \{array: float32 \(32,\)\}. Fix: .*class ids",
+    ):
+        estimator().train(ex.data.from_arrays(features, labels.astype(np.float32)), max_steps=1)
+    with pytest.raises(
+        ex.ModelFnError,
+        match=r"model_fn read features\['x'\] in train mode, which the input lacks; the input has features \['pixels",
+    ):
+        estimator().train(ex.data.from_arrays({"pixels": features["x"]}, labels), max_steps=1)
+    with pytest.raises(ValueError, match=r"features\['x'\] has dtype <U\d+; expected numbers"):
+        estimator().train([({"x": features["x"].astype(str)[:32]}, labels[:32])], max_steps=1)
+
+    class DataLoader:  # what torch.utils.data.DataLoader is, as far as the check sees (torch is not installed)
+        __module__ = "torch.utils.data.dataloader"
+
+        def __iter__(self):
+            return iter([])
+
+    with pytest.raises(TypeError, match=r"Input is a PyTorch DataLoader.*Fix: iterate it as numpy"):
+        estimator().train(DataLoader(), max_steps=1)
+    images = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(images, "wb") as f:
+        f.write(np.zeros(16 + 5 * 28 * 28, np.uint8).tobytes())
+    images.write_bytes(images.read_bytes()[:-20])
+    with pytest.raises(
+        ValueError,
+        match=rf"{images}: not a complete gzip file \(EOFError: .*\); expected the whole download\. Fix: download",
+    ):
+        ex.data.idx.read_idx(images, ex.data.idx.IMAGES_MAGIC)
+
+
+def test_a_full_disk_during_a_save_is_one_line_naming_the_last_good_checkpoint(tmp_path):
+    disk = str(tmp_path / "disk")
+    os.makedirs(disk)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk]).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        model_dir = os.path.join(disk, "run")
+        estimator(model_dir, save_every_steps=2).train(DATA, max_steps=4)
+        free = os.statvfs(disk)
+        with open(os.path.join(disk, "filler"), "wb") as f:  # leave 16 KiB: the lock and logs fit, a checkpoint not
+            f.write(bytes(free.f_bavail * free.f_frsize - 16 * 1024))
+        out = _job(model_dir, 8, expect=1)
+        last = out.strip().splitlines()[-1]
+        assert last == (
+            f"estimax.checkpoint.CheckpointError: A checkpoint save in {model_dir}/checkpoints failed: "
+            f"No space left on device; the last good checkpoint is step 4 "
+            f"({model_dir}/checkpoints/4). Fix: free space there (or raise the quota), then run the same command "
+            "again to resume from it."
+        )
+        assert "Event loop is closed" not in out and "absl" not in out
+    finally:
+        subprocess.run(["umount", disk], check=True)
