@@ -303,10 +303,10 @@ class Estimator:
         if batch is None:
             return
         with jax.set_mesh(self.mesh):  # modules that declare shardings need a mesh to trace
-            shapes = jax.eval_shape(
+            values, _ = jax.eval_shape(
                 self._core.eval_values, self._abstract_state, validation.abstract_batch(batch, size)
             )
-        validation.check_metric_names(used, validation.metric_names(shapes))
+        validation.check_metric_names(used, validation.metric_names(metrics_lib.result_names(values, size)))
 
     @contextlib.contextmanager
     def _writing(self, best: checkpoint_lib.Checkpointer | None = None):

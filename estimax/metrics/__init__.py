@@ -27,6 +27,7 @@ from estimax.metrics.inputs import (
     Sum,
     TopK,
     batch_states,
+    result_names,
     train_outputs,
 )
 from estimax.metrics.protocol import (
@@ -78,6 +79,7 @@ __all__ = [
     "empty_like",
     "is_metric_inputs",
     "merge_steps",
+    "result_names",
     "results",
     "static",
     "to_host",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from estimax.metrics.protocol import Inputs, Metric
+from estimax.metrics.protocol import Inputs, Metric, empty_like, results
 from estimax.metrics.states import (
     AUCState,
     ConfusionState,
@@ -26,6 +26,22 @@ from estimax.metrics.states import (
 def batch_states(values: dict, mask: jax.Array) -> dict[str, Metric]:
     """The state of one batch of every metric; plain per-example values are ``Mean``s."""
     return {k: (v if isinstance(v, Inputs) else Mean(v)).state(mask) for k, v in values.items()}
+
+
+def result_names(values: dict, batch_size: int) -> list[str]:
+    """The names an evaluation reports for these (abstract) ``eval_values``: ``"name/field"`` for
+    metrics of several values, read from the result of an empty state."""
+    names = []
+    for name, value in values.items():
+        if not isinstance(value, Inputs):
+            names.append(name)
+            continue
+        state = jax.eval_shape(lambda v, m: v.state(m), value, jax.ShapeDtypeStruct((batch_size,), jnp.bool_))
+        try:
+            names.extend(results(name, empty_like(state)))
+        except Exception:  # a user's compute that needs examples: its name alone
+            names.append(name)
+    return names
 
 
 def train_outputs(metrics: dict | None, batch_size: int) -> dict:
