@@ -19,6 +19,9 @@ from sklearn import metrics as sk
 import estimax as ex
 from estimax import metrics as M
 
+# The metrics here come from the features; the model is evaluated untrained on purpose.
+pytestmark = pytest.mark.filterwarnings("ignore:Estimator.evaluate\\(\\) uses the initial, untrained weights")
+
 N, C, T = 1003, 10, 200
 RNG = np.random.default_rng(0)
 LABELS = RNG.integers(0, C, N).astype(np.int32)
