@@ -11,7 +11,7 @@ import importlib
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("data", "distributed", "models", "serving", "task", "trackers")
+_SUBMODULES = ("data", "distributed", "metrics", "models", "serving", "task", "trackers")
 _NAMES = {
     "CheckpointError": "estimax.checkpoint",
     "CheckpointPolicy": "estimax.config",

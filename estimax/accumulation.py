@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from estimax import metrics as metrics_lib
+
 
 def split(batch, num_micro_batches: int):
     """``(B, ...) -> (A, B // A, ...)`` for every leaf: micro-batch ``i`` holds rows ``i, i + A, ...``.
@@ -58,14 +60,14 @@ def accumulate(loss_fn: Callable, params, model_state, batch, num_micro_batches:
 
     def summed(params, model_state, micro_batch, index):
         loss, (metrics, model_state) = loss_fn(params, model_state, micro_batch, index)
-        totals = {k: _total(v, micro_rows) for k, v in metrics.items()}
+        totals = {k: _total(v, micro_rows) for k, v in metrics.items()}  # metric inputs: their states
         return _total(loss, micro_rows), (totals, model_state)
 
     def body(carry, micro):
         grad_sum, loss_sum, metric_sums, model_state = carry
         (loss, (metrics, model_state)), grads = jax.value_and_grad(summed, has_aux=True)(params, model_state, *micro)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-        metric_sums = jax.tree.map(jnp.add, metric_sums, metrics)
+        metric_sums = {k: _merge(metric_sums[k], v) for k, v in metrics.items()}
         return (grad_sum, loss_sum + loss, metric_sums, model_state), None
 
     first = jax.tree.map(lambda x: x[0], micro_batches)
@@ -73,19 +75,33 @@ def accumulate(loss_fn: Callable, params, model_state, batch, num_micro_batches:
     zeros = (
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
         jnp.zeros((), jnp.float32),
-        jax.tree.map(lambda m: jnp.zeros(m.shape, jnp.float32), metric_shapes),
+        {k: _empty(m) for k, m in metric_shapes.items()},
         model_state,
     )
     indices = jnp.arange(num_micro_batches, dtype=jnp.uint32)
     (grad_sum, loss_sum, metric_sums, model_state), _ = jax.lax.scan(body, zeros, (micro_batches, indices))
     grads = jax.tree.map(lambda s, p: (s / rows).astype(p.dtype), grad_sum, params)
-    return loss_sum / rows, {k: v / rows for k, v in metric_sums.items()}, model_state, grads
+    metrics = {k: v if isinstance(v, metrics_lib.Metric) else v / rows for k, v in metric_sums.items()}
+    return loss_sum / rows, metrics, model_state, grads
 
 
-def _total(values, rows: int) -> jax.Array:
-    """Per-example values: their sum; a scalar (a micro-batch mean): weighted by the micro-batch's rows."""
+def _total(values, rows: int):
+    """Per-example values: their sum; a scalar (a micro-batch mean): weighted by the micro-batch's rows;
+    metric inputs: their state (training micro-batches have no padding)."""
+    if metrics_lib.is_metric_inputs(values):
+        return values.state(jnp.ones((rows,), bool))
     values = jnp.asarray(values, jnp.float32)
     return jnp.sum(values) if values.ndim else values * rows
+
+
+def _merge(total, value):
+    return total.merge(value) if isinstance(total, metrics_lib.Metric) else total + value
+
+
+def _empty(shape):
+    if isinstance(shape, metrics_lib.Metric):
+        return jax.tree.map(jnp.asarray, metrics_lib.empty_like(shape))
+    return jnp.zeros(shape.shape, jnp.float32)
 
 
 def check_batch_size(global_batch_size: int, grad_accum_steps: int, batch_sharding) -> None:

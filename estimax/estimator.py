@@ -25,8 +25,10 @@ import optax
 from estimax import accumulation, compile_cache, report, run_record, trackers, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
+from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
+from estimax import metrics as metrics_lib
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -35,7 +37,7 @@ from estimax.lock import Lock, ModelDirLocked, ModelDirNotWritable
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler, profile_dir
-from estimax.progress import ProgressBar
+from estimax.progress import EvalProgress, ProgressBar
 from estimax.report import MetricLogger
 from estimax.state import leaf_names
 from estimax.step import Core
@@ -63,6 +65,9 @@ class Estimator:
         ``params["batch_size"]`` is set to the global batch of the mode.
       warm_start: initialise parameters from another run when ``model_dir``
         has no checkpoint yet (``WarmStart``).
+      host_metrics: ``fn(outputs) -> dict[str, float]`` run on the host after
+        each evaluation, where ``outputs`` holds the ``Spec(eval_outputs=...)``
+        arrays of every valid example, in input order (O(examples) memory).
     """
 
     def __init__(
@@ -73,8 +78,10 @@ class Estimator:
         config: RunConfig | None = None,
         params: dict | None = None,
         warm_start: WarmStart | None = None,
+        host_metrics: Callable | None = None,
     ):
         _check_model_fn(model_fn)
+        host_metrics_lib.check(host_metrics)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
@@ -113,6 +120,7 @@ class Estimator:
             self._checkpointer.run_meta = self._run_record
         self._lock = None if config.model_dir is None else Lock(config.model_dir)
         self._warm_start = warm_start
+        self._host_metrics = host_metrics
         self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
         self._state, self._step, self._seen_latest, self._input_state = None, None, None, None
         self._origin = None  # where the state came from: "initial", "warm_start", "restored", "trained"
@@ -305,10 +313,10 @@ class Estimator:
         if batch is None:
             return
         with jax.set_mesh(self.mesh):  # modules that declare shardings need a mesh to trace
-            shapes = jax.eval_shape(
+            values, _ = jax.eval_shape(
                 self._core.eval_values, self._abstract_state, validation.abstract_batch(batch, size)
             )
-        validation.check_metric_names(used, validation.metric_names(shapes))
+        validation.check_metric_names(used, validation.metric_names(metrics_lib.result_names(values, size)))
 
     @contextlib.contextmanager
     def _writing(self, best: checkpoint_lib.Checkpointer | None = None):
@@ -421,15 +429,25 @@ class Estimator:
         return writers + trackers.writers(cfg, self.params, self._tracker_runs)
 
     # -- evaluate and predict --------------------------------------------------
-    def evaluate(self, input, *, steps: int | None = None, checkpoint: int | str | None = None) -> dict[str, float]:
+    def evaluate(
+        self,
+        input,
+        *,
+        steps: int | None = None,
+        checkpoint: int | str | None = None,
+        host_metrics: Callable | None = None,
+    ) -> dict[str, float]:
         """Exact loss and metrics over the whole input (or its first ``steps`` batches).
 
         The last partial batch is padded and masked: every example counts
-        once. Returns the averages and ``num_examples``. ``checkpoint``: a
-        step of model_dir or a checkpoint path; default: the current state.
+        once. Returns the results (``"<metric>/<field>"`` for metrics of
+        several values) and ``num_examples``. ``checkpoint``: a step of
+        model_dir or a checkpoint path; default: the current state.
+        ``host_metrics``: this call's, instead of the Estimator's.
         """
+        host_metrics_lib.check(host_metrics)
         state = self._state_at(checkpoint, "evaluate")
-        results = self._evaluate(input, state, steps=steps)
+        results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
         self._record_evaluation(int(jax.device_get(state.step)), results)
         return results
 
@@ -454,25 +472,55 @@ class Estimator:
             if self._lock is not None and not held:
                 self._lock.release()
 
-    def _evaluate(self, input, state, *, steps: int | None = None, should_stop=None) -> dict[str, float] | None:
+    def evaluate_states(
+        self, input, *, steps: int | None = None, checkpoint: int | str | None = None
+    ) -> dict[str, metrics_lib.Metric]:
+        """The merged metric states of an evaluation (host numpy, int64/float64), by name:
+        e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
+        return self._evaluate_states(input, self._state_at(checkpoint, "evaluate"), steps=steps)[0]
+
+    def _evaluate(
+        self, input, state, *, steps: int | None = None, should_stop=None, host_metrics: Callable | None = None
+    ) -> dict[str, float] | None:
         """The metrics of ``state`` on ``input``; ``None`` if ``should_stop()`` interrupted it."""
+        host_metrics = host_metrics or self._host_metrics
+        totals, rows = self._evaluate_states(
+            input, state, steps=steps, should_stop=should_stop, rows=bool(host_metrics)
+        )
+        if totals is None:
+            return None
+        results = {}
+        for name in sorted(totals, key=lambda n: n == metrics_lib.NUM_EXAMPLES):  # num_examples last
+            results.update(metrics_lib.results(name, totals[name]))
+        if host_metrics is not None:
+            results.update(host_metrics_lib.results(host_metrics, rows.rows(), results))
+        return results
+
+    def _evaluate_states(self, input, state, *, steps=None, should_stop=None, rows: bool = False):
+        """``(states, OutputRows or None)``; ``(None, None)`` if ``should_stop()`` interrupted it."""
         batch_size = self.config.global_eval_batch_size
         mesh_lib.check_batch_size("eval_batch_size", batch_size, self.mesh)
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         if steps is not None:
             batches = itertools.islice(batches, steps)
+        outputs = host_metrics_lib.OutputRows() if rows else None
         device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
         with feed.Prefetch(device_batches) as device_batches:
-            totals = self._evaluator().totals(state, device_batches, should_stop)
+            bar = self._eval_bar(input, batch_size, steps)
+            try:
+                totals = self._evaluator().totals(state, bar.wrap(device_batches), should_stop, outputs)
+            finally:
+                bar.close()
         if totals is None:
             if should_stop is not None and should_stop():
-                return None
+                return None, None
             raise ValueError("Evaluation input yielded no batches; expected at least one example.")
-        results = {name: mean.compute() for name, mean in totals.items()}
-        if "num_examples" in results:
-            raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
-        results["num_examples"] = float(next(iter(totals.values())).count)
-        return results
+        return totals, outputs
+
+    def _eval_bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
+        shown = not self.config.quiet and jax.process_index() == 0 and sys.stderr.isatty()
+        total = -(-len(input) // batch_size) if hasattr(input, "steps_per_epoch") else None
+        return EvalProgress(min(filter(None, (total, steps)), default=None), shown)
 
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
         """One prediction per example, in input order, as numpy (a dict if model_fn returned one).

@@ -36,7 +36,8 @@ class LoopRecord:
     """One device loop that finished: steps ``step_before`` -> ``step_after``.
 
     ``outputs`` holds per-step values (``loss``, metrics, ``grad_norm``, ...)
-    of shape ``(num_steps,)``. ``seconds`` is the wall time since the previous
+    of shape ``(num_steps,)``, and the states of mergeable metrics
+    (``estimax.metrics``) whose leaves have that leading axis. ``seconds`` is the wall time since the previous
     loop finished (``None`` for the first loop, which includes compilation),
     ``input_wait_seconds`` how much of it the host waited for input.
     """

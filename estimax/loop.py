@@ -17,6 +17,7 @@ import numpy as np
 
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
+from estimax.step import eval_states_of
 
 logger = logging.getLogger("estimax")
 
@@ -141,46 +142,85 @@ def _with_step_axis(train_step):
     return step
 
 
-def read_outputs(outputs: list[dict]) -> dict[str, np.ndarray]:
-    """Per-step outputs of a loop as host arrays with a leading ``(num_steps,)`` axis."""
+def read_outputs(outputs: list[dict]) -> dict:
+    """Per-step outputs of a loop on the host with a leading ``(num_steps,)`` axis: arrays,
+    and metric states whose leaves have that axis."""
     host = jax.device_get(outputs)  # host sync: the loop that produced them is done
-    return {k: np.concatenate([o[k] for o in host]) for k in host[0]}
+    return jax.tree.map(lambda *steps: np.concatenate(steps), *host)
 
 
 class EvalRunner:
-    """Accumulates exact masked sums over evaluation batches, on the device."""
+    """Merges metric states over evaluation batches: on the device within a segment of
+    ``fold_every`` batches (int32 counts), then on the host in int64/float64.
 
-    def __init__(self, core, layout):
+    A segment's counts stay below ``fold_every`` x the global batch, so int32
+    cannot overflow below a global eval batch of 2**31 / ``fold_every`` rows.
+    """
+
+    def __init__(self, core, layout, fold_every: int = 256):
         rep, state, batch = layout.replicated, layout.state, layout.batch
-        self._core, self._replicated = core, rep
-        # Totals are a few scalars: not donated, so the bound below can wait on old ones.
-        self.step = jax.jit(core.eval_step, in_shardings=(state, rep, batch, batch), out_shardings=rep)
+        self._core, self._replicated, self.fold_every = core, rep, fold_every
+        self._prepared: dict = {}  # per batch signature: see _prepare
+        # States are small: not donated, so the bound below can wait on old ones.
+        self.step = jax.jit(core.eval_step, in_shardings=(state, rep, batch, batch), out_shardings=(rep, batch))
         self.predict = jax.jit(core.predict_step, in_shardings=(state, batch), out_shardings=batch)
 
-    def value_shapes(self, state, batch) -> dict:
-        return jax.eval_shape(self._core.eval_values, state, batch)
+    def totals(self, state, device_batches, should_stop=None, outputs=None) -> dict | None:
+        """Host states merged over an iterator of ``DeviceBatch``; raises on scalar values in a padded batch.
 
-    def totals(self, state, device_batches, should_stop=None) -> dict[str, metrics_lib.Mean] | None:
-        """Sums over an iterator of ``DeviceBatch``; raises on scalar values in a padded batch.
-
+        ``outputs``: an ``OutputRows`` that receives every batch's ``eval_outputs``.
         Returns ``None`` if there was no batch, or when ``should_stop()`` said so.
         """
-        totals, pending, scalars = None, [], []
+        host, empty, carry, pending, scalars, num_batches = None, None, None, [], [], 0
         for db in device_batches:
             if should_stop is not None and should_stop():
                 return None
-            if totals is None:
-                shapes = self.value_shapes(state, db.batch)
-                scalars = sorted(k for k, v in shapes.items() if v.ndim == 0)
-                totals = jax.device_put(metrics_lib.zeros(shapes), self._replicated)
+            if empty is None:
+                scalars, empty, has_outputs = self._prepare(state, db)
+                if outputs is not None and not has_outputs:
+                    raise ValueError(
+                        "host_metrics needs per-example arrays on the host, but the model_fn returned no "
+                        "Spec(eval_outputs=...) in EVAL mode. Fix: return e.g. "
+                        "`ex.Spec(loss=loss, eval_outputs={'scores': probs, 'labels': labels})`."
+                    )
+                carry = empty
             if db.padded and scalars:
                 raise ValueError(
                     f"model_fn returned scalar {scalars} in EVAL mode, but this batch is padded "
                     f"({db.num_valid} valid rows): a scalar would average padding in. Fix: return "
                     "per-example values of shape (batch,) and the engine masks the padding."
                 )
-            totals = self.step(state, totals, db.batch, db.mask)
-            pending.append(totals)
+            carry, batch_outputs = self.step(state, carry, db.batch, db.mask)
+            if outputs is not None:
+                outputs.add(batch_outputs, db.num_valid)
+            num_batches += 1
+            pending.append(carry)
             if len(pending) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(pending.pop(0))  # host sync: bound the queue
-        return totals
+            if num_batches % self.fold_every == 0:
+                host = _merged(host, carry)  # host sync: this segment is done
+                carry, pending = empty, []
+        if empty is None:
+            return None
+        return _merged(host, carry) if num_batches % self.fold_every else host
+
+    def _prepare(self, state, db) -> tuple[list[str], dict, bool]:
+        """``(names of scalar values, the empty carry on the mesh, whether there are eval_outputs)``,
+        from one trace of the model_fn per batch signature (later evaluations reuse it)."""
+        key = jax.tree.structure(db.batch), tuple((x.shape, x.dtype) for x in jax.tree.leaves(db.batch))
+        if key not in self._prepared:
+
+            def shapes(state, batch, mask):
+                values, outputs = self._core.eval_values(state, batch)
+                return values, outputs, eval_states_of(values, mask)
+
+            values, outputs, states = jax.eval_shape(shapes, state, db.batch, db.mask)
+            scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and v.ndim == 0)
+            empty = jax.device_put({k: metrics_lib.empty_like(s) for k, s in states.items()}, self._replicated)
+            self._prepared[key] = scalars, empty, bool(outputs)
+        return self._prepared[key]
+
+
+def _merged(host: dict | None, carry: dict) -> dict:
+    carry = metrics_lib.to_host(carry)
+    return carry if host is None else {k: host[k].merge(carry[k]) for k in host}

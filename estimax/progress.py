@@ -1,9 +1,11 @@
-"""A live progress bar for terminals (tqdm), updated once per loop.
+"""Live progress bars for terminals (tqdm): training, updated once per loop,
+and evaluation, updated once per batch.
 
-Shows step / total, the epoch when an epoch's length is known, a smoothed
-loss, steps/s, examples/s, the input-wait fraction and tqdm's ETA. Used only
-when stderr is a terminal; elsewhere (CI, files) the console writer's plain
-lines say the same.
+The training bar shows step / total, the epoch when an epoch's length is
+known, a smoothed loss, steps/s, examples/s, the input-wait fraction and
+tqdm's ETA; the evaluation bar batches / total when the input's size is
+known. Used only when stderr is a terminal; elsewhere (CI, files) the console
+writer's plain lines say the same.
 """
 
 from __future__ import annotations
@@ -47,6 +49,28 @@ class ProgressBar(Hook):
         self._bar.update(loop.num_steps)
 
     def end(self, summary: Summary) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class EvalProgress:
+    """A ``tqdm`` bar over evaluation batches when ``shown``; otherwise it passes them through."""
+
+    def __init__(self, total: int | None, shown: bool):
+        self._bar = None
+        if shown:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
+
+    def wrap(self, batches):
+        for batch in batches:
+            yield batch
+            if self._bar is not None:
+                self._bar.update(1)
+
+    def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -1,4 +1,5 @@
-"""What a run tells its user: train metrics averaged between log points,
+"""What a run tells its user: train metrics averaged (or, for metric states,
+merged) between log points, every step's scalars for writers that want them,
 evaluations and the end-of-run summary, sent to the writers.
 
 ``MetricLogger`` is a hook: it receives loop records (host values) and
@@ -11,6 +12,7 @@ import logging
 
 import numpy as np
 
+from estimax import metrics as metrics_lib
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.writers import Writer
 
@@ -19,17 +21,23 @@ logger = logging.getLogger("estimax")
 
 class MetricLogger(Hook):
     """Averages per-step scalar outputs (loss, metrics, ``grad_norm``, ``learning_rate``)
-    over the steps since the last line, adds throughput and the input-wait
-    fraction, and writes a ``train`` record when a multiple of
-    ``log_every_steps`` is crossed (and at the end); writes every evaluation
-    under its split and the summary under ``summary``.
+    and merges per-step metric states over the steps since the last line, adds
+    throughput and the input-wait fraction, and writes a ``train`` record when a
+    multiple of ``log_every_steps`` is crossed (and at the end); writes every
+    evaluation under its split and the summary under ``summary``.
+
+    Writers with ``every_step = True`` (TensorBoard) get every step's scalar
+    outputs at that step instead of their window means, and at each log point
+    the window's merged metrics and throughput: an AUC point is the AUC over
+    the window's examples, never a mean of per-step AUCs.
 
     Throughput is timed between loops: the first one (compilation) and the
     last one are not timed, so a line that covers only those has none.
     """
 
     def __init__(self, writers: list[Writer], log_every_steps: int, global_batch_size: int):
-        self.writers = writers
+        self.writers = [w for w in writers if not getattr(w, "every_step", False)]
+        self.step_writers = [w for w in writers if getattr(w, "every_step", False)]
         self.log_every_steps = log_every_steps
         self.global_batch_size = global_batch_size
         self._reset()
@@ -37,6 +45,7 @@ class MetricLogger(Hook):
     def _reset(self) -> None:
         self._sums: dict[str, float] = {}
         self._counts: dict[str, int] = {}
+        self._states: dict[str, metrics_lib.Metric] = {}
         self._steps = self._timed_steps = 0
         self._timed_seconds = self._wall = self._wait = 0.0
 
@@ -44,11 +53,20 @@ class MetricLogger(Hook):
         self._reset()
 
     def after_loop(self, loop: LoopRecord) -> None:
+        scalars = {}
         for name, values in loop.outputs.items():
-            if np.ndim(values) == 1:  # per-step scalars; per-parameter flags are not logged
+            if isinstance(values, metrics_lib.Metric):  # per-step states: merged exactly, in int64/float64
+                merged = metrics_lib.merge_steps(metrics_lib.to_host(values))
+                self._states[name] = merged if name not in self._states else self._states[name].merge(merged)
+            elif np.ndim(values) == 1:  # per-step scalars; per-parameter flags are not logged
+                scalars[name] = values
                 finite = np.isfinite(values)
                 self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values[finite], dtype=np.float64))
                 self._counts[name] = self._counts.get(name, 0) + int(finite.sum())
+        for i in range(loop.num_steps if self.step_writers else 0):
+            self._write(
+                self.step_writers, "train", loop.step_before + i + 1, {k: float(v[i]) for k, v in scalars.items()}
+            )
         self._steps += loop.num_steps
         if loop.seconds is not None:
             self._timed_steps += loop.num_steps
@@ -57,25 +75,31 @@ class MetricLogger(Hook):
             self._wait += loop.input_wait_seconds
         if not (loop.crossed(self.log_every_steps) or loop.final) or self._steps == 0:
             return
-        values = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+        means = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
+        window = {}
+        for name, state in self._states.items():
+            window.update(metrics_lib.results(name, state))
         if self._timed_steps:
             steps_per_sec = self._timed_steps / max(self._timed_seconds, 1e-9)
-            values.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
-            values["input_wait_fraction"] = min(self._wait / max(self._wall, 1e-9), 1.0)
-        self._write("train", loop.step_after, values)
+            window.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
+            window["input_wait_fraction"] = min(self._wait / max(self._wall, 1e-9), 1.0)
+        self._write(self.writers, "train", loop.step_after, {**means, **window})
+        if window:
+            self._write(self.step_writers, "train", loop.step_after, window)
         self._reset()
 
     def after_eval(self, evaluation: EvalRecord) -> None:
-        self._write(evaluation.split, evaluation.step, dict(evaluation.metrics))
+        self._write(self.writers + self.step_writers, evaluation.split, evaluation.step, dict(evaluation.metrics))
 
     def end(self, summary: Summary) -> None:
         values = {f"{name}_seconds": seconds for name, seconds in summary.seconds.items()}
-        self._write("summary", summary.step, {**values, **summary.metrics})
-        for writer in self.writers:
+        self._write(self.writers + self.step_writers, "summary", summary.step, {**values, **summary.metrics})
+        for writer in self.writers + self.step_writers:
             writer.close()
 
-    def _write(self, split: str, step: int, values: dict) -> None:
-        for writer in self.writers:
+    @staticmethod
+    def _write(writers: list[Writer], split: str, step: int, values: dict) -> None:
+        for writer in writers:
             writer.write(split, step, values)
 
 

@@ -34,9 +34,16 @@ class Spec(NamedTuple):
       predictions: required in PREDICT. An array or a dict of arrays, each with
         the batch as leading axis.
       metrics: optional dict of name -> per-example values ``(batch,)`` (bool
-        or numeric) or scalars, averaged like ``loss``.
+        or numeric) or scalars, averaged like ``loss``, or the inputs of a
+        mergeable metric (``estimax.metrics``: ``AUC(scores, labels)``,
+        ``ConfusionMatrix(...)``, ``TopK(...)``, ``MyMetric.of(...)``), which
+        the engine turns into states with the padding mask.
+      eval_outputs: optional dict of name -> per-example arrays (batch as
+        leading axis) brought to the host in EVAL mode, valid rows only, in
+        input order, for the Estimator's ``host_metrics``.
     """
 
     loss: Any = None
     predictions: Any = None
     metrics: dict[str, Any] | None = None
+    eval_outputs: dict[str, Any] | None = None

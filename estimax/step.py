@@ -117,7 +117,7 @@ class Core:
         learning_rate = _learning_rate(opt_state)  # the rate this update used
         if learning_rate is not None:
             outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
-        outputs.update({k: jnp.mean(jnp.asarray(v, jnp.float32)) for k, v in (spec.metrics or {}).items()})
+        outputs.update(metrics_lib.train_outputs(spec.metrics, batch_size))  # metric inputs: per-step states
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
 
     def _accumulated_grads(self, state: TrainState, batch: Batch):
@@ -147,17 +147,26 @@ class Core:
         return jax.lax.scan(lambda s, xs: self.train_step(s, *xs), state, (stack, last))
 
     # -- evaluation and prediction -------------------------------------------
-    def eval_values(self, state: TrainState, batch: Batch) -> dict[str, jax.Array]:
-        """The loss and metrics of one batch, per example or scalar, by name."""
+    def eval_values(self, state: TrainState, batch: Batch) -> tuple[dict, dict]:
+        """The loss and metrics of one batch (per-example values, scalars or metric inputs) by
+        name, and the per-example ``eval_outputs``."""
         spec, _ = self._call(state.params, state, batch, EVAL, _batch_size(batch))
         values = {"loss": spec.loss} if spec.loss is not None else {}
         values.update(spec.metrics or {})
-        return values
+        return values, dict(spec.eval_outputs or {})
 
-    def eval_step(self, state: TrainState, totals: dict, batch: Batch, mask: jax.Array) -> dict:
-        """Adds the masked sums of one padded batch to ``totals``."""
-        values = self.eval_values(state, batch)
-        return {k: totals[k].merge(metrics_lib.Mean.from_values(values[k], mask)) for k in totals}
+    def eval_states(self, state: TrainState, batch: Batch, mask: jax.Array) -> tuple[dict, dict]:
+        """The metric states of one padded batch (and ``num_examples``), and its ``eval_outputs``.
+
+        Sums over the sharded global batch: XLA merges every device and host.
+        """
+        values, outputs = self.eval_values(state, batch)
+        return eval_states_of(values, mask), outputs
+
+    def eval_step(self, state: TrainState, totals: dict, batch: Batch, mask: jax.Array) -> tuple[dict, dict]:
+        """Merges the states of one padded batch into ``totals``; also returns its ``eval_outputs``."""
+        states, outputs = self.eval_states(state, batch, mask)
+        return {k: totals[k].merge(states[k]) for k in totals}, outputs
 
     def predict_step(self, state: TrainState, batch: Batch):
         return self.predictions(state.params, state.model_state, batch)
@@ -194,6 +203,13 @@ def grad_checks(grads, measure: bool | jax.Array) -> dict[str, jax.Array]:
     else:
         norm, finite = jax.lax.cond(measure, measured, skipped, leaves)
     return {"grad_norm": norm, "finite_grads": finite}
+
+
+def eval_states_of(values: dict, mask: jax.Array) -> dict:
+    """The states of one batch's ``eval_values``, and ``num_examples`` (the count of valid rows)."""
+    states = metrics_lib.batch_states(values, mask)
+    states[metrics_lib.NUM_EXAMPLES] = metrics_lib.SumState.from_batch(mask, mask=mask)
+    return states
 
 
 def _learning_rate(opt_state):
@@ -238,7 +254,18 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
     named = {"loss": spec.loss} if spec.loss is not None else {}
     if spec.metrics is not None and not isinstance(spec.metrics, dict):
         raise TypeError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
-    named.update({f"metrics[{k!r}]": v for k, v in (spec.metrics or {}).items()})
+    if metrics_lib.NUM_EXAMPLES in (spec.metrics or {}):
+        raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
+    for key, value in (spec.metrics or {}).items():
+        if isinstance(value, metrics_lib.Metric):
+            raise TypeError(
+                f"Spec(metrics={{{key!r}: {type(value).__name__}(...)}}) is a metric state; expected its inputs "
+                f"of this batch, which the engine masks: `{type(value).__name__}.of(...)`."
+            )
+        if metrics_lib.is_metric_inputs(value):
+            _check_rows(f"metrics[{key!r}] ({value.metric.__name__}) input", value, batch_size, mode)
+        else:
+            named[f"metrics[{key!r}]"] = value
     for name, value in named.items():
         shape = jnp.shape(value)
         if shape not in ((), (batch_size,)):
@@ -247,7 +274,24 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
                 f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
                 "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
             )
+    if spec.eval_outputs is not None:
+        if not isinstance(spec.eval_outputs, dict):
+            raise TypeError(
+                f"Spec(eval_outputs=...) is {type(spec.eval_outputs).__name__}; expected a dict name -> "
+                "per-example arrays."
+            )
+        _check_rows("eval_outputs", spec.eval_outputs, batch_size, mode)
     return spec
+
+
+def _check_rows(what: str, tree, batch_size: int, mode: Mode) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        shape = jnp.shape(leaf)
+        if not shape or shape[0] != batch_size:
+            raise ValueError(
+                f"model_fn {what} {jax.tree_util.keystr(path)} has shape {shape} in {mode} mode; expected the "
+                f"batch ({batch_size}) as leading axis, one row per example."
+            )
 
 
 def _name(path) -> str:

@@ -34,9 +34,10 @@ def check_hooks(hooks) -> list[Hook]:
     return hooks
 
 
-def metric_names(value_shapes: dict) -> list[str]:
-    """The names an evaluation reports, from ``Core.eval_values``'s abstract outputs."""
-    return sorted({*value_shapes, "num_examples"})
+def metric_names(names) -> list[str]:
+    """The names an evaluation reports: ``names`` (``metrics.result_names`` of ``Core.eval_values``'s
+    abstract outputs) and ``num_examples``."""
+    return sorted({*names, "num_examples"})
 
 
 def metrics_used(hooks: Sequence[Hook], best_metric: str | None) -> dict[str, str]:

@@ -68,8 +68,13 @@ def test_writers_metrics_file_and_tensorboard_read_back(model_dir):
     events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"))
     events.Reload()
     assert {"loss", "grad_norm", "learning_rate", "steps_per_sec"} <= set(events.Tags()["scalars"])
-    assert [e.step for e in events.Scalars("loss")] == [8, 16, 24]
-    assert events.Scalars("loss")[2].value == pytest.approx(train[2]["loss"], rel=1e-6)
+    # Every step's scalars at that step; throughput at the log points.
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 25))
+    assert [e.step for e in events.Scalars("learning_rate")] == list(range(1, 25))
+    assert events.Scalars("learning_rate")[0].value == pytest.approx(0.1, rel=1e-6)
+    window = np.mean([e.value for e in events.Scalars("loss")[16:]])
+    assert window == pytest.approx(train[2]["loss"], rel=1e-5)  # the log line is the mean of its steps
+    assert [e.step for e in events.Scalars("steps_per_sec")] == [8, 16, 24]
     evaluation = EventAccumulator(os.path.join(model_dir, "tensorboard", "eval"))
     evaluation.Reload()
     assert evaluation.Scalars("accuracy")[0].step == 24
@@ -162,3 +167,27 @@ def test_quiet_hides_train_lines(caplog):
     with caplog.at_level("INFO", logger="estimax"):
         estimator(quiet=True, log_every_steps=4).train(DATA, max_steps=8)
     assert "train step" not in caplog.text and "Done at step 8" in caplog.text
+
+
+class Losses(Hook):
+    def __init__(self):
+        self.losses = []
+
+    def after_loop(self, loop):
+        self.losses.extend(float(x) for x in loop.outputs["loss"])
+
+
+def test_tensorboard_has_every_step_of_a_200_step_run(model_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    losses = Losses()
+    estimator(model_dir, steps_per_loop=50, log_every_steps=100, tensorboard=True).train(
+        DATA, max_steps=200, hooks=[losses]
+    )
+    events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"), size_guidance={"scalars": 0})
+    events.Reload()
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 201))
+    np.testing.assert_allclose([e.value for e in loss], losses.losses, rtol=1e-6)  # each step's own loss
+    assert [e.step for e in events.Scalars("grad_norm")] == list(range(1, 201))
+    assert [r["step"] for r in _records(model_dir, "train")] == [100, 200]  # the file keeps its cadence

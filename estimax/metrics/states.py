@@ -1,0 +1,380 @@
+"""The built-in metric states: sums, extremes, moments, hits, a confusion matrix, AUC histograms.
+
+Each is a ``Metric`` of integer counts (int32 on the device, int64 on the
+host) or float sums, built from one batch with the padding mask by selection
+(``where``, dropped scatter indices), never by multiplication. ``merge`` runs
+on jax and numpy arrays alike; ``compute`` on the host in float64. Invalid
+valid-row inputs (scores outside [0, 1], class ids outside the classes) are
+counted in the state and make ``compute`` raise. Owns no inputs (``inputs``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from estimax.metrics.protocol import Metric, static
+
+
+def _xp(x):
+    """numpy for host arrays, jax.numpy otherwise: ``merge`` runs on both."""
+    return np if isinstance(x, np.ndarray | np.generic) else jnp
+
+
+def _mask_like(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """The per-example mask broadcast over the trailing axes of ``x``."""
+    return jnp.broadcast_to(jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(x) - 1)), jnp.shape(x))
+
+
+def _count(mask) -> jax.Array:
+    return jnp.sum(mask, dtype=jnp.int32)
+
+
+def _divide(a, b):
+    """``a / b`` in float64, 0 where ``b`` is 0 (scikit-learn's ``zero_division=0``)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape), where=b != 0)
+
+
+def _class_ids(predictions, labels):
+    """Class ids from ids, or from scores with one more (class) axis than the labels."""
+    predictions = jnp.asarray(predictions)
+    if predictions.ndim == jnp.ndim(labels) + 1:
+        return jnp.argmax(predictions, axis=-1)
+    return predictions
+
+
+class MeanState(Metric):
+    total: jax.Array
+    count: jax.Array  # int32 without weights, the sum of weights with them
+
+    @classmethod
+    def from_batch(cls, values, weights=None, *, mask):
+        values = jnp.asarray(values, jnp.float32)
+        if values.ndim == 0:  # a batch-level scalar: only where nothing is padded (checked by the engine)
+            valid = _count(mask)
+            return cls(values * valid, valid)
+        valid = _mask_like(mask, values)
+        if weights is None:
+            # where(), not multiply: a NaN on a padded row must not leak into the sum.
+            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid))
+        weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), values.shape)
+        return cls(jnp.sum(jnp.where(valid, values * weights, 0.0)), jnp.sum(jnp.where(valid, weights, 0.0)))
+
+    @classmethod
+    def empty(cls):
+        return cls(np.float32(0), np.int32(0))
+
+    def merge(self, other):
+        return MeanState(self.total + other.total, self.count + other.count)
+
+    def compute(self) -> float:
+        count = float(self.count)
+        return float(self.total) / count if count else float("nan")
+
+
+class SumState(Metric):
+    total: jax.Array
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        values = jnp.asarray(values)
+        exact = jnp.issubdtype(values.dtype, jnp.integer) or values.dtype == jnp.bool_
+        values = values.astype(jnp.int32 if exact else jnp.float32)  # counts stay integers
+        return cls(jnp.sum(jnp.where(_mask_like(mask, values), values, 0)))
+
+    @classmethod
+    def empty(cls):
+        return cls(np.int32(0))  # cast to the state's dtype by the engine
+
+    def merge(self, other):
+        return SumState(self.total + other.total)
+
+    def compute(self) -> float:
+        return float(self.total)
+
+
+def _extreme_input(values):
+    values = jnp.asarray(values)
+    if values.dtype == jnp.bool_:
+        values = values.astype(jnp.int32)
+    elif jnp.issubdtype(values.dtype, jnp.floating):
+        values = values.astype(jnp.float32)
+    return values
+
+
+def _identity(dtype: str, largest: bool):
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return np.asarray(info.max if largest else info.min, dtype)
+    return np.asarray(np.inf if largest else -np.inf, dtype)
+
+
+class MinState(Metric):
+    value: jax.Array
+    dtype: str = static()
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        values = _extreme_input(values)
+        identity = _identity(values.dtype.name, largest=True)
+        return cls(jnp.min(jnp.where(_mask_like(mask, values), values, identity)), values.dtype.name)
+
+    @classmethod
+    def empty(cls, dtype):
+        return cls(_identity(dtype, largest=True), dtype)
+
+    def merge(self, other):
+        return MinState(_xp(self.value).minimum(self.value, other.value), self.dtype)
+
+    def compute(self) -> float:
+        return float(self.value)
+
+
+class MaxState(Metric):
+    value: jax.Array
+    dtype: str = static()
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        values = _extreme_input(values)
+        identity = _identity(values.dtype.name, largest=False)
+        return cls(jnp.max(jnp.where(_mask_like(mask, values), values, identity)), values.dtype.name)
+
+    @classmethod
+    def empty(cls, dtype):
+        return cls(_identity(dtype, largest=False), dtype)
+
+    def merge(self, other):
+        return MaxState(_xp(self.value).maximum(self.value, other.value), self.dtype)
+
+    def compute(self) -> float:
+        return float(self.value)
+
+
+class MomentsState(Metric):
+    """Count, mean and sum of squared deviations, merged with Chan et al.'s parallel formula
+    (no cancellation of ``E[x^2] - E[x]^2``)."""
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        values = jnp.asarray(values, jnp.float32)
+        valid = _mask_like(mask, values)
+        count = _count(valid)
+        mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(count, 1)
+        m2 = jnp.sum(jnp.where(valid, jnp.square(values - mean), 0.0))
+        return cls(count, mean, m2)
+
+    @classmethod
+    def empty(cls):
+        return cls(np.int32(0), np.float32(0), np.float32(0))
+
+    def merge(self, other):
+        xp = _xp(self.mean)
+        count = self.count + other.count
+        share = xp.where(count > 0, other.count / xp.maximum(count, 1), 0.0)
+        delta = other.mean - self.mean
+        mean = self.mean + delta * share
+        m2 = self.m2 + other.m2 + xp.square(delta) * self.count * share
+        return MomentsState(count, mean.astype(self.mean.dtype), m2.astype(self.m2.dtype))
+
+    def compute(self) -> float:
+        count = float(self.count)
+        return math.sqrt(max(float(self.m2) / count, 0.0)) if count else float("nan")
+
+
+class HitsState(Metric):
+    """Hits among counted examples (accuracy, top-k accuracy); labels outside the classes are counted apart."""
+
+    hits: jax.Array
+    count: jax.Array
+    out_of_range: jax.Array
+
+    @classmethod
+    def empty(cls):
+        return cls(np.int32(0), np.int32(0), np.int32(0))
+
+    @classmethod
+    def from_hits(cls, hits, valid, out_of_range):
+        return cls(_count(jnp.where(valid, hits, False)), _count(valid), _count(out_of_range))
+
+    @classmethod
+    def from_batch(cls, predictions, labels, *, mask, k=None):
+        labels = jnp.asarray(labels)
+        valid = _mask_like(mask, labels)
+        if k is None:  # accuracy: predicted ids (or scores over classes) equal to the labels
+            return cls.from_hits(_class_ids(predictions, labels) == labels, valid, jnp.zeros_like(valid))
+        scores = jnp.asarray(predictions, jnp.float32)
+        num_classes = scores.shape[-1]
+        in_range = (labels >= 0) & (labels < num_classes)
+        label_score = jnp.take_along_axis(scores, jnp.where(in_range, labels, 0)[..., None], axis=-1)
+        # In the top k when fewer than k classes score strictly higher (ties count as hits, like tf.nn.in_top_k).
+        higher = jnp.sum(scores > label_score, axis=-1)
+        return cls.from_hits(in_range & (higher < k), valid, valid & ~in_range)
+
+    def merge(self, other):
+        return HitsState(self.hits + other.hits, self.count + other.count, self.out_of_range + other.out_of_range)
+
+    def compute(self) -> float:
+        if self.out_of_range:
+            raise ValueError(
+                f"{int(self.out_of_range)} valid labels are outside the classes of the scores; expected class "
+                "ids 0..num_classes-1. Fix: check the labels, or the number of classes of the model's output."
+            )
+        return float(_divide(self.hits, self.count)) if self.count else float("nan")
+
+
+class ConfusionState(Metric):
+    """``matrix[true, predicted]`` counts (scikit-learn's orientation) of valid rows."""
+
+    matrix: jax.Array
+    out_of_range: jax.Array
+    num_classes: int = static()
+    per_class: bool = static(False)
+
+    @classmethod
+    def from_batch(cls, predictions, labels, *, mask, num_classes, per_class=False):
+        labels = jnp.asarray(labels).astype(jnp.int32)
+        predictions = _class_ids(predictions, labels).astype(jnp.int32)
+        valid = _mask_like(mask, labels)
+        in_range = (labels >= 0) & (labels < num_classes) & (predictions >= 0) & (predictions < num_classes)
+        cells = jnp.where(valid & in_range, labels * num_classes + predictions, num_classes * num_classes)
+        counts = jnp.zeros(num_classes * num_classes, jnp.int32).at[cells.ravel()].add(1, mode="drop")
+        return cls(counts.reshape(num_classes, num_classes), _count(valid & ~in_range), num_classes, per_class)
+
+    @classmethod
+    def empty(cls, num_classes, per_class=False):
+        return cls(np.zeros((num_classes, num_classes), np.int32), np.int32(0), num_classes, per_class)
+
+    def merge(self, other):
+        return ConfusionState(
+            self.matrix + other.matrix, self.out_of_range + other.out_of_range, self.num_classes, self.per_class
+        )
+
+    def compute(self) -> dict[str, float]:
+        if self.out_of_range:
+            raise ValueError(
+                f"{int(self.out_of_range)} valid rows have a label or prediction outside [0, {self.num_classes}); "
+                f"expected class ids 0..{self.num_classes - 1}. Fix: set num_classes to the number of classes, "
+                "or check the labels."
+            )
+        matrix = np.asarray(self.matrix, np.float64)
+        true_positives, predicted, actual = np.diag(matrix), matrix.sum(axis=0), matrix.sum(axis=1)
+        precision, recall = _divide(true_positives, predicted), _divide(true_positives, actual)
+        f1 = _divide(2 * true_positives, predicted + actual)
+        micro = float(_divide(true_positives.sum(), matrix.sum()))  # single-label: micro P = R = F1 = accuracy
+        values = {
+            "accuracy": micro,
+            "precision_macro": float(precision.mean()),
+            "recall_macro": float(recall.mean()),
+            "f1_macro": float(f1.mean()),
+            "precision_micro": micro,
+            "recall_micro": micro,
+            "f1_micro": micro,
+            "mean_per_class_accuracy": float(recall.mean()),
+        }
+        if self.per_class:
+            for name, per in (("precision", precision), ("recall", recall), ("f1", f1)):
+                values.update({f"{name}_{c}": float(v) for c, v in enumerate(per)})
+        return values
+
+
+class AUCState(Metric):
+    """Histograms of valid positives and negatives over ``num_thresholds`` equal bins of [0, 1]."""
+
+    positives: jax.Array
+    negatives: jax.Array
+    bad_scores: jax.Array  # valid rows whose score is outside [0, 1] (or NaN)
+    bad_labels: jax.Array  # valid rows whose label is not 0 or 1
+    num_thresholds: int = static(200)
+    curve: str = static("ROC")
+    from_logits: bool = static(False)
+
+    @classmethod
+    def from_batch(cls, scores, labels, *, mask, num_thresholds=200, curve="ROC", from_logits=False):
+        scores = jnp.asarray(scores, jnp.float32)
+        if from_logits:
+            scores = jax.nn.sigmoid(scores)
+        labels = jnp.broadcast_to(jnp.asarray(labels), scores.shape)
+        valid = _mask_like(mask, scores)
+        in_range = (scores >= 0) & (scores <= 1)  # False for NaN
+        positive, negative = labels == 1, labels == 0
+        counted = valid & in_range & (positive | negative)
+        bins = jnp.clip(jnp.floor(jnp.where(in_range, scores, 0.0) * num_thresholds), 0, num_thresholds - 1)
+        bins = bins.astype(jnp.int32)
+
+        def histogram(select):
+            index = jnp.where(counted & select, bins, num_thresholds).ravel()  # out of bounds: dropped
+            return jnp.zeros(num_thresholds, jnp.int32).at[index].add(1, mode="drop")
+
+        return cls(
+            histogram(positive),
+            histogram(negative),
+            _count(valid & ~in_range),
+            _count(valid & ~(positive | negative)),
+            num_thresholds,
+            curve,
+            from_logits,
+        )
+
+    @classmethod
+    def empty(cls, num_thresholds=200, curve="ROC", from_logits=False):
+        zeros = np.zeros(num_thresholds, np.int32)
+        return cls(zeros, zeros, np.int32(0), np.int32(0), num_thresholds, curve, from_logits)
+
+    def merge(self, other):
+        return AUCState(
+            self.positives + other.positives,
+            self.negatives + other.negatives,
+            self.bad_scores + other.bad_scores,
+            self.bad_labels + other.bad_labels,
+            self.num_thresholds,
+            self.curve,
+            self.from_logits,
+        )
+
+    def points(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """True and false positive counts at thresholds ``1 - 1/T, ..., 1/T, 0`` (descending), and the thresholds."""
+        self._check()
+        positives = np.cumsum(np.asarray(self.positives, np.int64)[::-1])
+        negatives = np.cumsum(np.asarray(self.negatives, np.int64)[::-1])
+        thresholds = np.arange(self.num_thresholds - 1, -1, -1) / self.num_thresholds
+        return positives, negatives, thresholds
+
+    def compute(self) -> float:
+        true_pos, false_pos, _ = self.points()
+        num_pos, num_neg = true_pos[-1], false_pos[-1]
+        if self.curve == "ROC":
+            if not (num_pos and num_neg):
+                return float("nan")  # undefined with one class only
+            tpr = np.concatenate([[0.0], true_pos / num_pos])
+            fpr = np.concatenate([[0.0], false_pos / num_neg])
+            return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))  # trapezoids
+        if not num_pos:
+            return float("nan")
+        # Average precision: sum over thresholds of (R_k - R_{k-1}) * P_k, as scikit-learn's.
+        recall = np.concatenate([[0.0], true_pos / num_pos])
+        precision = _divide(true_pos, true_pos + false_pos)
+        return float(np.sum(np.diff(recall) * precision))
+
+    def _check(self) -> None:
+        if self.bad_scores:
+            hint = (
+                "with from_logits=True the scores are sigmoid(logits): some were NaN. Fix: check the model's output."
+                if self.from_logits
+                else "Fix: pass probabilities (e.g. jax.nn.sigmoid(logits)), or AUC(..., from_logits=True) for logits."
+            )
+            raise ValueError(f"{int(self.bad_scores)} valid scores are outside [0, 1]; {hint}")
+        if self.bad_labels:
+            raise ValueError(
+                f"{int(self.bad_labels)} valid labels are neither 0 nor 1; expected binary labels "
+                "(bool or 0/1). Fix: binarise them, e.g. `labels == positive_class`."
+            )
