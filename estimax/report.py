@@ -19,6 +19,10 @@ from estimax.writers import Writer
 logger = logging.getLogger("estimax")
 
 
+# Outputs measured on some steps only (``step.grad_checks``: a scan's last step and non-finite losses).
+SAMPLED = ("grad_norm",)
+
+
 class MetricLogger(Hook):
     """Averages per-step scalar outputs (loss, metrics, ``grad_norm``, ``learning_rate``)
     and merges per-step metric states over the steps since the last line, adds
@@ -64,9 +68,9 @@ class MetricLogger(Hook):
                 self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values[finite], dtype=np.float64))
                 self._counts[name] = self._counts.get(name, 0) + int(finite.sum())
         for i in range(loop.num_steps if self.step_writers else 0):
-            self._write(
-                self.step_writers, "train", loop.step_before + i + 1, {k: float(v[i]) for k, v in scalars.items()}
-            )
+            # A sampled output is NaN at the steps it was not measured on: no point, not a NaN point.
+            point = {k: float(v[i]) for k, v in scalars.items() if k not in SAMPLED or np.isfinite(v[i])}
+            self._write(self.step_writers, "train", loop.step_before + i + 1, point)
         self._steps += loop.num_steps
         if loop.seconds is not None:
             self._timed_steps += loop.num_steps

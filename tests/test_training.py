@@ -189,5 +189,7 @@ def test_tensorboard_has_every_step_of_a_200_step_run(model_dir):
     loss = events.Scalars("loss")
     assert [e.step for e in loss] == list(range(1, 201))
     np.testing.assert_allclose([e.value for e in loss], losses.losses, rtol=1e-6)  # each step's own loss
-    assert [e.step for e in events.Scalars("grad_norm")] == list(range(1, 201))
+    # The gradient norm is measured on each loop's last step under a scan (every step when stepping).
+    norms = events.Scalars("grad_norm")
+    assert {50, 100, 150, 200} <= {e.step for e in norms} and all(np.isfinite(e.value) for e in norms)
     assert [r["step"] for r in _records(model_dir, "train")] == [100, 200]  # the file keeps its cadence
