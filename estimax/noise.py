@@ -15,7 +15,6 @@ import logging
 import sys
 import threading
 
-_installed = False
 _CLOSED = "Event loop is closed"
 
 
@@ -51,11 +50,10 @@ def _thread_exception(previous):
 
 def quiet_libraries() -> None:
     """Installs the filters once per process."""
-    global _installed
-    if _installed:
+    absl = logging.getLogger("absl")
+    if any(isinstance(f, _OrbaxChatter) for f in absl.filters):  # installed already
         return
-    _installed = True
-    logging.getLogger("absl").addFilter(_OrbaxChatter())
+    absl.addFilter(_OrbaxChatter())
     logging.getLogger("asyncio").addFilter(_ClosedLoop())
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     threading.excepthook = _thread_exception(threading.excepthook)
