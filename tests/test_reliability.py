@@ -90,17 +90,20 @@ def test_a_damaged_checkpoint_is_moved_aside_and_saved_again(model_dir):
 def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp_path):
     model_dir = str(tmp_path / "run")
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--loop", "step"]
-    command += ["--batch-size", "16", "--steps-per-loop", "2", "--max-steps", "12"]
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command += ["--batch-size", "16", "--steps-per-loop", "2"]
+    # Far more steps than the second process needs to start: the first one is still writing then.
+    first = subprocess.Popen([*command, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     _wait_for(lambda: os.path.exists(os.path.join(model_dir, LOCK_FILE)), first)
-    second = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    second = subprocess.run([*command, "--max-steps", "12"], capture_output=True, text=True, timeout=180)
     out = second.stdout + second.stderr
+    assert first.poll() is None, "the first writer ended before the second started"
     assert second.returncode == 2 and "estimax: error: " in out and "Traceback" not in out, out  # one line
     assert f"model_dir {model_dir} is being written by another process: host {socket.gethostname()}, " in out
     assert f"pid {first.pid}" in out and "estimax.cli train" in out and "Training steps" not in out
-    first_out, _ = first.communicate(timeout=180)
-    assert first.returncode == 0, first_out
-    assert _steps(model_dir) == [12] and not os.path.exists(os.path.join(model_dir, LOCK_FILE))
+    first.send_signal(signal.SIGTERM)  # the first writer saves where it is and exits for requeue
+    first_out = first.communicate(timeout=180)[0].decode()
+    assert first.returncode == 75, first_out
+    assert _steps(model_dir) and not os.path.exists(os.path.join(model_dir, LOCK_FILE))
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     train_steps = [r["step"] for r in records if r["split"] == "train"]
