@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import inspect
 import itertools
 import logging
 import os
@@ -19,7 +18,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 import optax
 
 from estimax import accumulation, compile_cache, report, run_record, trackers, validation
@@ -29,6 +27,8 @@ from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
+from estimax import predictions as predictions_lib
+from estimax import training as training_lib
 from estimax.config import CheckpointPolicy, RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
@@ -80,7 +80,7 @@ class Estimator:
         warm_start: WarmStart | None = None,
         host_metrics: Callable | None = None,
     ):
-        _check_model_fn(model_fn)
+        validation.check_model_fn(model_fn)
         host_metrics_lib.check(host_metrics)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
@@ -93,7 +93,7 @@ class Estimator:
         self.params = dict(params or {})
         compile_cache.enable(config.compilation_cache)
         self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer)
-        self.mesh = mesh_lib.make_mesh(_devices(config.num_devices), config.mesh)
+        self.mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
             self._core = Core(
@@ -265,7 +265,7 @@ class Estimator:
             raise ValueError(f"train_and_evaluate(mode={mode!r}); expected 'max' or 'min'.")
         every = eval_every_steps
         if eval_every_epochs is not None:
-            every = eval_every_epochs * _steps_per_epoch(
+            every = eval_every_epochs * training_lib.steps_per_epoch(
                 train_input, self.config.train_batch_size // jax.process_count()
             )
         hooks = validation.check_hooks(hooks)
@@ -364,7 +364,7 @@ class Estimator:
             self._sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
             self._checkpointer.refresh()
         start = self._step
-        target, per_epoch = _target_step(start, *lengths, input, host_batch)
+        target, per_epoch = training_lib.target_step(start, *lengths, input, host_batch)
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
@@ -536,7 +536,7 @@ class Estimator:
         mesh_lib.check_batch_size("predict_batch_size", batch_size, self.mesh)
         state = self._state_at(checkpoint, "predict")
         predict = self._evaluator().predict
-        rows = _gathered_rows if gather and jax.process_count() > 1 else _rows
+        rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending = None
         device_batches = self._noting_features(feed.eval_device_batches(batches, self.mesh, batch_size))
@@ -602,89 +602,3 @@ class Estimator:
 @functools.partial(jax.jit, static_argnums=2)
 def _gathered_copy(params, model_state, replicated):
     return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
-
-
-def _rows(predictions, num_valid: int) -> Iterator:
-    host = jax.tree.map(mesh_lib.to_host_local, predictions)  # host sync: this batch is done
-    for i in range(num_valid):
-        yield jax.tree.map(lambda x, i=i: x[i], host)
-
-
-def _gathered_rows(predictions, num_valid: int) -> Iterator:
-    """Every process's rows of one batch on process 0, in input order (shards ``i::n``)."""
-    from jax.experimental import multihost_utils
-
-    # host sync: a collective of every process; each global batch is the processes' host batches in order
-    host = multihost_utils.process_allgather(predictions, tiled=True)
-    valid = multihost_utils.process_allgather(np.int32(num_valid))
-    if jax.process_index() != 0:
-        return
-    count, host_batch = len(valid), len(jax.tree.leaves(host)[0]) // len(valid)
-    for row in range(host_batch):  # local row r of process p is example r * count + p of the batch
-        for process in range(count):
-            if row < valid[process]:
-                yield jax.tree.map(lambda x, i=process * host_batch + row: x[i], host)
-
-
-def _target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int, int | None]:
-    """``(target step, steps per epoch or None)`` of a train call."""
-    given = {k: v for k, v in (("max_steps", max_steps), ("steps", steps), ("epochs", epochs)) if v is not None}
-    if len(given) != 1:
-        raise ValueError(
-            f"train() received {given or 'none of max_steps, steps, epochs'}; "
-            "expected exactly one of them, e.g. `train(data, max_steps=1000)`."
-        )
-    ((name, value),) = given.items()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"train({name}={value!r}) must be a non-negative integer.")
-    per_epoch = _steps_per_epoch(input, host_batch, required=name == "epochs")
-    if name == "max_steps":
-        return value, per_epoch
-    if name == "steps":
-        return start + value, per_epoch
-    dropped = len(input) - per_epoch * host_batch * jax.process_count()
-    logger.info(
-        "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
-        per_epoch,
-        host_batch * jax.process_count(),
-        dropped,
-    )
-    return value * per_epoch, per_epoch
-
-
-def _steps_per_epoch(input, host_batch: int, required: bool = True) -> int | None:
-    if not hasattr(input, "steps_per_epoch"):
-        if not required:
-            return None
-        raise TypeError(
-            f"Counting in epochs needs an input of known size, e.g. estimax.data.from_arrays; "
-            f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every_steps)."
-        )
-    return input.steps_per_epoch(host_batch, jax.process_count())
-
-
-def _devices(num_devices: int | None) -> list:
-    devices = jax.devices()
-    if num_devices is not None and num_devices > len(devices):
-        raise ValueError(
-            f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
-            f"expected at most {len(devices)}."
-        )
-    return devices[:num_devices]
-
-
-def _check_model_fn(model_fn) -> None:
-    if not callable(model_fn):
-        raise TypeError(
-            f"Estimator(model_fn={model_fn!r}) is not callable; expected "
-            "`def model_fn(model, features, labels, mode, params) -> ex.Spec`."
-        )
-    try:
-        inspect.signature(model_fn).bind(None, None, None, None, None)
-    except TypeError:
-        raise TypeError(
-            f"Estimator(model_fn=...) has signature {inspect.signature(model_fn)}; expected "
-            "`model_fn(model, features, labels, mode, params)`: five positional arguments."
-        ) from None
-    except ValueError:  # builtins without a signature: accept
-        pass

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from estimax import preemption as preemption_lib
@@ -253,3 +254,40 @@ class TrainingLoop:
         )
         for hook in self.hooks:
             hook.end(summary)
+
+
+def target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int, int | None]:
+    """``(target step, steps per epoch or None)`` of a train call."""
+    given = {k: v for k, v in (("max_steps", max_steps), ("steps", steps), ("epochs", epochs)) if v is not None}
+    if len(given) != 1:
+        raise ValueError(
+            f"train() received {given or 'none of max_steps, steps, epochs'}; "
+            "expected exactly one of them, e.g. `train(data, max_steps=1000)`."
+        )
+    ((name, value),) = given.items()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"train({name}={value!r}) must be a non-negative integer.")
+    per_epoch = steps_per_epoch(input, host_batch, required=name == "epochs")
+    if name == "max_steps":
+        return value, per_epoch
+    if name == "steps":
+        return start + value, per_epoch
+    dropped = len(input) - per_epoch * host_batch * jax.process_count()
+    logger.info(
+        "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
+        per_epoch,
+        host_batch * jax.process_count(),
+        dropped,
+    )
+    return value * per_epoch, per_epoch
+
+
+def steps_per_epoch(input, host_batch: int, required: bool = True) -> int | None:
+    if not hasattr(input, "steps_per_epoch"):
+        if not required:
+            return None
+        raise TypeError(
+            f"Counting in epochs needs an input of known size, e.g. estimax.data.from_arrays; "
+            f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every_steps)."
+        )
+    return input.steps_per_epoch(host_batch, jax.process_count())

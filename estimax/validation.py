@@ -10,6 +10,7 @@ checked by ``mesh.check_batch_size``, writability by ``lock.py``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import jax
@@ -73,3 +74,30 @@ def abstract_batch(batch, global_batch_size: int):
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((global_batch_size, *np.shape(x)[1:]), np.asarray(x).dtype), batch
     )
+
+
+def devices(num_devices: int | None) -> list:
+    devices = jax.devices()
+    if num_devices is not None and num_devices > len(devices):
+        raise ValueError(
+            f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
+            f"expected at most {len(devices)}."
+        )
+    return devices[:num_devices]
+
+
+def check_model_fn(model_fn) -> None:
+    if not callable(model_fn):
+        raise TypeError(
+            f"Estimator(model_fn={model_fn!r}) is not callable; expected "
+            "`def model_fn(model, features, labels, mode, params) -> ex.Spec`."
+        )
+    try:
+        inspect.signature(model_fn).bind(None, None, None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"Estimator(model_fn=...) has signature {inspect.signature(model_fn)}; expected "
+            "`model_fn(model, features, labels, mode, params)`: five positional arguments."
+        ) from None
+    except ValueError:  # builtins without a signature: accept
+        pass
