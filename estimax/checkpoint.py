@@ -34,18 +34,21 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import noise
+from estimax import noise, storage
 from estimax.config import CheckpointPolicy
+from estimax.errors import EstimaxError
 
 logger = logging.getLogger("estimax")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(EstimaxError, ValueError):
     """No usable checkpoint where one was asked for."""
 
 
 class Checkpointer:
     """The checkpoints of one directory (``<model_dir>/checkpoints``)."""
+
+    saves = True  # (``run_dir.NoCheckpoints`` keeps nothing)
 
     def __init__(
         self,
@@ -56,7 +59,7 @@ class Checkpointer:
     ):
         """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric."""
         noise.quiet_libraries()
-        self.directory = os.path.abspath(directory)
+        self.directory = storage.resolve(directory)
         self.policy = policy or CheckpointPolicy()
         self.read_only = read_only
         self._best = best
@@ -84,11 +87,6 @@ class Checkpointer:
                 **best_options,
             ),
         )
-
-    @classmethod
-    def of_model_dir(cls, model_dir: str, policy: CheckpointPolicy) -> Checkpointer:
-        """A read-only view of ``<model_dir>/checkpoints`` until ``open_for_writing()``."""
-        return cls(os.path.join(model_dir, "checkpoints"), policy, read_only=True)
 
     def open_for_writing(self, primary: bool = True) -> None:
         """Becomes the writer (the caller holds the model_dir's lock): leftovers of killed saves are
@@ -171,8 +169,7 @@ class Checkpointer:
             except Exception as error:  # truncated files, altered arrays
                 failures.append(f"step {candidate}: {_first_line(error)}")
                 logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, _first_line(error))
-                with contextlib.suppress(OSError):
-                    damaged[candidate] = os.stat(os.path.join(self.directory, str(candidate))).st_ino
+                damaged[candidate] = _identity(storage.join(self.directory, str(candidate)))
                 continue
             if failures:
                 logger.warning("Restored step %d of %s instead of %s.", candidate, self.directory, failures[0])
@@ -192,13 +189,13 @@ class Checkpointer:
         """Renames the step directories the last restore found damaged to ``<step>.corrupt-<time>``
         (unless they changed since), so that training saves those steps again."""
         stamp = time.strftime("%Y%m%dT%H%M%S")
-        for step, inode in sorted(self._damaged.items()):
-            path = os.path.join(self.directory, str(step))
+        for step, identity in sorted(self._damaged.items()):
+            path = storage.join(self.directory, str(step))
             with contextlib.suppress(OSError):
-                if os.stat(path).st_ino != inode:
+                if _identity(path) != identity:
                     continue
                 aside = f"{path}.corrupt-{stamp}"
-                os.rename(path, aside)
+                storage.move(path, aside)
                 self._moved_aside[step] = aside
                 logger.warning(
                     "Moved the damaged checkpoint %s aside to %s (kept for inspection); step %d is saved "
@@ -215,7 +212,7 @@ class Checkpointer:
         """Raises ``CheckpointError`` naming the arrays that differ between ``abstract_state`` and the
         checkpoint's array metadata (read before any array is); unreadable metadata is left to the restore."""
         try:
-            saved = ocp.StandardCheckpointer().metadata(os.path.join(self.directory, str(step), "state"))
+            saved = ocp.StandardCheckpointer().metadata(storage.join(self.directory, str(step), "state"))
             leaves = jax.tree_util.tree_leaves_with_path(getattr(saved, "item_metadata", saved))
             saved = {_path_name(p): tuple(x.shape) for p, x in leaves}
         except Exception:  # missing or damaged metadata: the restore reports it
@@ -240,7 +237,7 @@ class Checkpointer:
             f"Checkpoint step {step} of {self.directory} was saved by another model or optimizer; arrays "
             f"{'; '.join(parts)}. Expected the model and optimizer that wrote this model_dir. Fix: restore them, "
             "or train in another model_dir starting from this one with "
-            f"WarmStart({os.path.dirname(self.directory)!r}) (it loads the parameters that still match)."
+            f"WarmStart({storage.parent(self.directory)!r}) (it loads the parameters that still match)."
         )
 
     @contextlib.contextmanager
@@ -255,8 +252,8 @@ class Checkpointer:
                 raise
             good = []
             with contextlib.suppress(OSError):  # the finished step directories (not the temporary ones)
-                good = sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
-            last = f"step {good[-1]} ({os.path.join(self.directory, str(good[-1]))})" if good else "none"
+                good = sorted(int(n) for n in storage.listdir(self.directory) if n.isdigit())
+            last = f"step {good[-1]} ({storage.join(self.directory, str(good[-1]))})" if good else "none"
             raise CheckpointError(
                 f"A checkpoint save in {self.directory} failed: {reason}; the last "
                 f"good checkpoint is {last}. Fix: free space there (or raise the quota), then run the same "
@@ -292,18 +289,29 @@ class Checkpointer:
 def locate(path: str) -> tuple[Checkpointer, int | None]:
     """A read-only view of a checkpoint path: a model_dir (its latest checkpoint),
     its ``checkpoints`` directory, or one step directory ``.../checkpoints/<step>``."""
-    path = os.path.abspath(os.fspath(path))
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        path = os.path.join(path, "checkpoints")
-    name = os.path.basename(path)
-    if name.isdigit() and os.path.isdir(path):
-        return Checkpointer(os.path.dirname(path), read_only=True), int(name)
-    if os.path.isdir(path):
+    path = storage.resolve(path)
+    if storage.isdir(storage.join(path, "checkpoints")):
+        path = storage.join(path, "checkpoints")
+    name = storage.name(path)
+    if name.isdigit() and storage.isdir(path):
+        return Checkpointer(storage.parent(path), read_only=True), int(name)
+    if storage.isdir(path):
         return Checkpointer(path, read_only=True), None
     raise CheckpointError(
         f"Checkpoint path {path} does not exist; expected a model_dir, its checkpoints directory, "
         "or a step directory such as runs/x/checkpoints/1000."
     )
+
+
+def _identity(path: str):
+    """What tells a step directory from one saved later at the same path: its inode on disk; on an
+    object store, the directory's listing (a re-save writes new objects)."""
+    if not storage.is_url(path):
+        return os.stat(path).st_ino if os.path.exists(path) else None
+    fs, inner = storage.filesystem(path)
+    fs.invalidate_cache(inner)
+    objects = fs.find(inner, detail=True)
+    return tuple(sorted((p, str(i.get("generation") or i.get("ETag") or i.get("size"))) for p, i in objects.items()))
 
 
 def abstract_like(abstract_state, shardings):

@@ -17,7 +17,7 @@ import time
 
 import jax
 
-from estimax import compile_cache, distributed
+from estimax import compile_cache, distributed, storage
 from estimax import task as task_lib
 from estimax.cli import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
@@ -87,7 +87,7 @@ def train(args, task, estimator, first: bool) -> int:
 
 def _require_checkpoint(estimator) -> None:
     if estimator.step == 0:
-        model_dir = estimator.config.model_dir
+        model_dir = estimator.run_dir.url
         raise ValueError(
             f"No checkpoint in {model_dir}: nothing trained to use; expected a model_dir that `estimax train` "
             f"wrote. Fix: `estimax train ... --model-dir {model_dir}` first, or pass the right --model-dir."
@@ -115,8 +115,8 @@ def predict(args, task, estimator, first: bool) -> int:
         if len(labels) == len(records):
             summary += f", {sum(r['class'] == y for r, y in zip(records, labels, strict=True))} match the labels"
     if args.output:
-        with open(args.output, "w") as f:
-            f.writelines(json.dumps({"index": i, **_as_dict(r)}) + "\n" for i, r in enumerate(records))
+        lines = "".join(json.dumps({"index": i, **_as_dict(r)}) + "\n" for i, r in enumerate(records))
+        storage.write_bytes(storage.expand(args.output), lines.encode())
     print(summary + (f"; written to {args.output}" if args.output else ""))
     return 0
 

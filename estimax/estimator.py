@@ -7,12 +7,10 @@ outputs only after the next one is dispatched, checkpoints and reports.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import itertools
 import logging
-import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -29,21 +27,21 @@ from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax import training as training_lib
-from estimax.config import CheckpointPolicy, RunConfig
+from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.distributed import Sync
 from estimax.hooks import EarlyStopping, Hook, RunInfo
-from estimax.lock import Lock, ModelDirLocked, ModelDirNotWritable
 from estimax.loop import EvalRunner, TrainRunner
 from estimax.models import resolve as resolve_model
-from estimax.profiling import Profiler, profile_dir
+from estimax.profiling import Profiler
 from estimax.progress import EvalProgress, ProgressBar
 from estimax.report import MetricLogger
+from estimax.run_dir import open_run_dir
 from estimax.state import leaf_names
 from estimax.step import Core
 from estimax.training import Evaluation, TrainingLoop
 from estimax.warm_start import WarmStart
-from estimax.writers import ConsoleWriter, JsonlWriter, TensorBoardWriter
+from estimax.writers import ConsoleWriter
 
 logger = logging.getLogger("estimax")
 
@@ -111,14 +109,7 @@ class Estimator:
             self.mesh, self._abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes
         )
         self._sync = Sync(config.sync_timeout_seconds)
-        self._checkpointer = (
-            None
-            if config.model_dir is None
-            else checkpoint_lib.Checkpointer.of_model_dir(config.model_dir, config.checkpoint)
-        )
-        if self._checkpointer is not None:
-            self._checkpointer.run_meta = self._run_record
-        self._lock = None if config.model_dir is None else Lock(config.model_dir)
+        self.run_dir = open_run_dir(config.model_dir, config.checkpoint, self._run_record)
         self._warm_start = warm_start
         self._host_metrics = host_metrics
         self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
@@ -152,13 +143,14 @@ class Estimator:
     def _ensure_state(self):
         """The latest good checkpoint in model_dir if newer than what is in memory, else a
         fresh initialisation (warm-started if asked)."""
-        latest = self._checkpointer.latest_step() if self._checkpointer else None
+        checkpoints = self.run_dir.checkpoints
+        latest = checkpoints.latest_step()
         if latest is not None and latest != self._seen_latest and (self._state is None or latest > self._step):
             self._seen_latest = latest
-            self._state, meta = self._checkpointer.restore(self.state_shapes())
+            self._state, meta = checkpoints.restore(self.state_shapes())
             self._step, self._input_state, self._origin = meta["step"], meta.get("input_state"), "restored"
             self._loop_mode = meta.get("loop")
-            run_record.warn_on_resume(meta.get("run"), self._run_record, self._step, self._checkpointer.directory)
+            run_record.warn_on_resume(meta.get("run"), self._run_record, self._step, checkpoints.directory)
         elif self._state is None:
             with jax.set_mesh(self.mesh):  # each array is created in its shards: never whole on one device
                 self._state = jax.jit(self._core.init_state, out_shardings=self.layout.state)()
@@ -173,13 +165,9 @@ class Estimator:
         if self._origin != "initial" or self._warned_untrained:
             return
         self._warned_untrained = True
-        where = (
-            f"model_dir {self.config.model_dir!r} has no checkpoint"
-            if self.config.model_dir is not None
-            else "RunConfig(model_dir=None) has no checkpoint to restore"
-        )
         warnings.warn(
-            f"Estimator.{what}() uses the initial, untrained weights: {where} and this Estimator has not "
+            f"Estimator.{what}() uses the initial, untrained weights: {self.run_dir.no_checkpoint()} and this "
+            "Estimator has not "
             "trained. Fix: train() first, set model_dir to a trained run, or pass checkpoint=<step or path>.",
             UntrainedWarning,
             stacklevel=4,
@@ -192,12 +180,7 @@ class Estimator:
             self._warn_if_untrained(what)
             return state
         if isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
-            if self._checkpointer is None:
-                raise ValueError(
-                    f"checkpoint={checkpoint} is a step, but RunConfig(model_dir=None) has no "
-                    "checkpoints; expected a path, or a model_dir."
-                )
-            checkpointer, step = self._checkpointer, checkpoint
+            checkpointer, step = self.run_dir.checkpoints, checkpoint
         else:
             checkpointer, step = checkpoint_lib.locate(checkpoint)
         return checkpointer.restore(self.state_shapes(), step)[0]
@@ -272,14 +255,7 @@ class Estimator:
         if patience is not None:
             hooks.append(EarlyStopping(best_metric or "loss", mode if best_metric else "min", patience))
         self._check_metric_names(eval_input, train_input, validation.metrics_used(hooks, best_metric))
-        best = None
-        if best_metric is not None and self.config.model_dir is not None:
-            best = checkpoint_lib.Checkpointer(  # opened for writing under the model_dir's lock
-                os.path.join(self.config.model_dir, "best"),
-                CheckpointPolicy(every_steps=None, keep=1),
-                read_only=True,
-                best=(best_metric, mode),
-            )
+        best = None if best_metric is None else self.run_dir.best(best_metric, mode)
         evaluation = Evaluation(
             run=lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop),
             every_steps=every,
@@ -318,51 +294,19 @@ class Estimator:
             )
         validation.check_metric_names(used, validation.metric_names(metrics_lib.result_names(values, size)))
 
-    @contextlib.contextmanager
-    def _writing(self, best: checkpoint_lib.Checkpointer | None = None):
-        """Holds the model_dir's lock while training writes into it (process 0 takes it for the
-        group; the others learn the outcome and fail alike); released on every exit path."""
-        if self.config.model_dir is None:
-            yield
-            return
-        primary = jax.process_index() == 0
-        outcome = "ok"
-        if primary:
-            try:
-                self._lock.acquire()
-            except (ModelDirLocked, ModelDirNotWritable) as error:
-                outcome = f"{type(error).__name__}:{error}"
-        outcome = self._sync.share("taking the model_dir lock", outcome)
-        if outcome != "ok":
-            name, text = outcome.split(":", 1)
-            raise {"ModelDirLocked": ModelDirLocked, "ModelDirNotWritable": ModelDirNotWritable}[name](text)
-        try:
-            self._checkpointer.open_for_writing(primary)
-            if best is not None:
-                best.open_for_writing(primary)
-            yield
-        finally:
-            try:
-                if best is not None:
-                    best.close_for_writing()
-                self._checkpointer.close_for_writing()
-            finally:
-                if primary:
-                    self._lock.release()
-
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         hooks = validation.check_hooks(hooks)
         self._check_batch_sizes()
-        with self._writing(evaluation.best if evaluation is not None else None):
+        with self.run_dir.writing(self._sync, evaluation.best if evaluation is not None else None):
             return self._train_steps(input, lengths, hooks, evaluation)
 
     def _train_steps(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None):
         cfg = self.config
         host_batch = cfg.train_batch_size // jax.process_count()
         state = self._ensure_state()
-        if jax.process_count() > 1 and self._checkpointer is not None:
+        if jax.process_count() > 1:
             self._sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
-            self._checkpointer.refresh()
+            self.run_dir.checkpoints.refresh()
         start = self._step
         target, per_epoch = training_lib.target_step(start, *lengths, input, host_batch)
         if start >= target:
@@ -384,11 +328,11 @@ class Estimator:
             self._train_runner.resume(self._loop_mode, start)
         loop = TrainingLoop(
             self._train_runner,
-            self._checkpointer,
+            self.run_dir.checkpoints,
             self._hooks(hooks),
             self._param_names,
             skip_nonfinite=cfg.skip_nonfinite,
-            profiler=Profiler(cfg.profile_steps, profile_dir(cfg.model_dir)),
+            profiler=Profiler(cfg.profile_steps, self.run_dir.profile_dir),
             sync=self._sync,
         )
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
@@ -399,7 +343,7 @@ class Estimator:
         def publish(state, step, input_state):
             self._state, self._step, self._input_state, self._origin = state, step, input_state, "trained"
 
-        info = RunInfo(start, target, cfg.train_batch_size, per_epoch, cfg.model_dir)
+        info = RunInfo(start, target, cfg.train_batch_size, per_epoch, self.run_dir.url)
         chunks = self._noting_features(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size), stacked=True)
         with feed.Prefetch(chunks) as chunks:
             loop.run(state, info, chunks, publish, evaluation)
@@ -422,11 +366,9 @@ class Estimator:
         writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
         if jax.process_index() != 0 or not files:
             return writers
-        if cfg.model_dir is not None:
-            writers.append(JsonlWriter(os.path.join(cfg.model_dir, "metrics.jsonl")))
-            if cfg.tensorboard or (cfg.tensorboard is None and importlib.util.find_spec("tensorboardX")):
-                writers.append(TensorBoardWriter(os.path.join(cfg.model_dir, "tensorboard")))
-        return writers + trackers.writers(cfg, self.params, self._tracker_runs)
+        tensorboard = cfg.tensorboard or (cfg.tensorboard is None and bool(importlib.util.find_spec("tensorboardX")))
+        writers += self.run_dir.file_writers(tensorboard)
+        return writers + trackers.writers(cfg, self.params, self._tracker_runs, self.run_dir)
 
     # -- evaluate and predict --------------------------------------------------
     def evaluate(
@@ -455,22 +397,13 @@ class Estimator:
         """Writes an evaluation to the console, and to model_dir's files when this process may write
         there: not while another process holds its lock (a run in training keeps its files to
         itself), nor when it is not writable; either is said, and the results are still returned."""
-        files, held = True, self._lock is not None and self._lock.held
-        if self._lock is not None and jax.process_index() == 0 and not held:
+        with self.run_dir.recording() as files:
             try:
-                self._lock.acquire()
-            except (ModelDirLocked, ModelDirNotWritable) as error:
-                files = False
-                logger.warning("The evaluation of step %d is not written to %s: %s", step, self._lock.model_dir, error)
-        try:
-            for writer in self._writers(files):
-                writer.write("eval", step, results)
-                writer.close()
-        except OSError as error:
-            logger.warning("The evaluation of step %d was not written to %s: %s", step, self.config.model_dir, error)
-        finally:
-            if self._lock is not None and not held:
-                self._lock.release()
+                for writer in self._writers(files):
+                    writer.write("eval", step, results)
+                    writer.close()
+            except OSError as error:
+                logger.warning("The evaluation of step %d was not written to %s: %s", step, self.run_dir.url, error)
 
     def evaluate_states(
         self, input, *, steps: int | None = None, checkpoint: int | str | None = None

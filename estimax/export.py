@@ -27,6 +27,7 @@ import tempfile
 import jax
 import numpy as np
 
+from estimax import storage
 from estimax.state import leaf_names
 
 PROGRAM, PARAMS, SIGNATURE = "model.jaxexport", "params", "signature.json"
@@ -55,7 +56,7 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
             "Fix: export from the checkpoint in a single process: `estimax export --model-dir DIR --output PATH` "
             "or `Estimator(...).export(path)` with the same model_dir."
         )
-    path = os.path.abspath(os.fspath(path))
+    path = storage.resolve(path)
     check_target(path)
     inputs = named(features, SINGLE_INPUT, "features")
     arrays, program_fn, single_output = flat_program(core, state, isinstance(features, dict))
@@ -92,7 +93,17 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
 
 
 def publish(path: str, write) -> str:
-    """``write(directory)`` into a new directory that then replaces ``path`` at once (no half artifact)."""
+    """``write(directory)`` into a new directory that then replaces ``path`` at once (no half artifact);
+    on an object store, staged on local disk and uploaded with the signature last."""
+    if storage.is_url(path):
+        staging = tempfile.mkdtemp(prefix="estimax-export-")
+        try:
+            write(staging)
+            storage.remove(path, recursive=True)  # an earlier export (check_target refused anything else)
+            storage.upload(staging, path, last=SIGNATURE)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     staging = tempfile.mkdtemp(prefix=".export-", dir=os.path.dirname(path))
     try:
@@ -118,13 +129,13 @@ def array_sha256(x) -> str:
 
 def check_target(path: str) -> None:
     """Raises unless ``path`` is new, empty, or an earlier export (which is replaced)."""
-    earlier = any(os.path.exists(os.path.join(path, name)) for name in (SIGNATURE, "saved_model.pb"))
-    if os.path.isdir(path) and os.listdir(path) and not earlier:
+    earlier = any(storage.exists(storage.join(path, name)) for name in (SIGNATURE, "saved_model.pb"))
+    if storage.isdir(path) and storage.listdir(path) and not earlier:
         raise ValueError(
             f"export() target {path} is a non-empty directory that is not an estimax export; expected a new "
             "path or an earlier export to replace. Fix: choose another path, e.g. exports/<model>/<step>."
         )
-    if os.path.exists(path) and not os.path.isdir(path):
+    if storage.exists(path) and not storage.isdir(path):
         raise ValueError(f"export() target {path} is a file; expected a directory path.")
 
 

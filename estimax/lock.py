@@ -1,14 +1,22 @@
-"""One writer per model_dir: the lock file ``<model_dir>/estimax.lock``.
+"""One writer per model_dir: the lock ``<model_dir>/estimax.lock``, a file or a lease object.
 
 Owns taking, describing and releasing the lock that a process holds while it
 writes into a model_dir (checkpoints, ``metrics.jsonl``, TensorBoard files,
-profiles). The lock file is created atomically (``O_CREAT | O_EXCL``) and
-names its holder: host, process id, the process's start time and its command
-line. A lock whose holder ran on this host and is gone (no such process, or
-the process id now belongs to a process started later) is stale: it is taken
-over with a warning. Readers (evaluating, predicting or exporting another
-run's checkpoints) take no lock. Does not own who takes it (the Estimator:
-process 0 for the group) nor what is written under it.
+profiles). The lock is created atomically and names its holder: host,
+process id, the process's start time and its command line.
+
+- On a disk (``Lock``): ``O_CREAT | O_EXCL``. A lock whose holder ran on this
+  host and is gone (no such process, or the process id now belongs to a
+  process started later) is stale: it is taken over with a warning.
+- On an object store (``LeaseLock``): a conditional create (GCS
+  ``ifGenerationMatch=0``, S3 ``If-None-Match: *``) of an object holding a
+  lease that the holder renews from a background thread. A pid on another
+  host cannot be checked, so a lease not renewed for ``lease_seconds`` means
+  the holder is gone: it is taken over with a warning.
+
+Readers (evaluating, predicting or exporting another run's checkpoints) take
+no lock. Does not own who takes it (the Estimator: process 0 for the group)
+nor what is written under it.
 """
 
 from __future__ import annotations
@@ -21,18 +29,22 @@ import os
 import shlex
 import socket
 import sys
+import threading
 import time
+
+from estimax import storage
+from estimax.errors import EstimaxError
 
 logger = logging.getLogger("estimax")
 
 LOCK_FILE = "estimax.lock"
 
 
-class ModelDirLocked(RuntimeError):
+class ModelDirLocked(EstimaxError, RuntimeError):
     """Another process writes into this model_dir."""
 
 
-class ModelDirNotWritable(PermissionError):
+class ModelDirNotWritable(EstimaxError, PermissionError):
     """The model_dir cannot be written (permissions, a read-only file system, a full disk)."""
 
 
@@ -40,7 +52,7 @@ class Lock:
     """The writer lock of one model_dir; ``acquire()`` raises ``ModelDirLocked`` naming the holder."""
 
     def __init__(self, model_dir: str):
-        self.model_dir = os.path.abspath(os.fspath(model_dir))
+        self.model_dir = storage.resolve(model_dir)
         self.path = os.path.join(self.model_dir, LOCK_FILE)
         self.held = False
 
@@ -139,10 +151,10 @@ def holder_record() -> dict:
 
 def read_holder(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+        holder = json.loads(storage.read_bytes(path))
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
+    return holder if isinstance(holder, dict) else None
 
 
 def describe(holder: dict) -> str:
@@ -193,3 +205,88 @@ def not_writable(directory: str, error: OSError) -> ModelDirNotWritable:
         f"metrics can be written. Fix: {fix}. Reading its checkpoints (evaluate, predict, "
         "checkpoint=...) needs no write access."
     )
+
+
+class LeaseLock:
+    """The writer lock of a model_dir on an object store: a lease object, renewed by its holder.
+
+    ``lease_seconds``: how long a lock lives without renewal; the holder renews it every third of
+    that. Clocks of the hosts involved must agree to well within it (NTP does).
+    """
+
+    def __init__(self, model_dir: str, lease_seconds: float = 60.0):
+        self.model_dir = storage.resolve(model_dir)
+        self.path = storage.join(self.model_dir, LOCK_FILE)
+        self.lease_seconds = lease_seconds
+        self.held = False
+        self._record: dict = {}
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+
+    def acquire(self) -> LeaseLock:
+        if self.held:
+            return self
+        storage.check_store(self.model_dir, write=True)
+        self._record = {**holder_record(), "lease_seconds": self.lease_seconds}
+        for _attempt in range(3):
+            if storage.create_exclusive(self.path, self._encoded()):
+                self._hold()
+                return self
+            holder = read_holder(self.path)
+            if holder is None:
+                continue  # released in between
+            age = time.time() - float(holder.get("renewed_at", 0))
+            if age <= float(holder.get("lease_seconds", self.lease_seconds)):
+                raise ModelDirLocked(
+                    f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
+                    f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
+                    "finish, stop it, or use another model_dir; a holder that is gone releases the lock when its "
+                    f"lease expires ({holder.get('lease_seconds')} s without renewal), or delete {self.path}."
+                )
+            if read_holder(self.path) == holder:  # still the expired one: take it over
+                storage.remove(self.path)
+                logger.warning(
+                    "Took over the lock of model_dir %s: its lease expired %.0f s ago (%s).",
+                    self.model_dir,
+                    age - float(holder.get("lease_seconds", self.lease_seconds)),
+                    describe(holder),
+                )
+        raise ModelDirLocked(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        holder = read_holder(self.path)
+        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            storage.remove(self.path)
+
+    def __enter__(self) -> LeaseLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _encoded(self) -> bytes:
+        return json.dumps({**self._record, "renewed_at": time.time()}).encode()
+
+    def _hold(self) -> None:
+        self.held = True
+        self._stop.clear()
+        self._renewer = threading.Thread(target=self._renew, name="estimax-lease", daemon=True)
+        self._renewer.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 3):
+            try:
+                storage.write_bytes(self.path, self._encoded())
+            except Exception as error:  # the next renewal tries again; the lease covers two misses
+                logger.warning("Could not renew the lock %s: %s", self.path, error)
+
+
+def lock_for(model_dir: str) -> Lock | LeaseLock:
+    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store."""
+    return LeaseLock(model_dir) if storage.is_url(model_dir) else Lock(model_dir)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import shutil
+import tempfile
 
 import jax
+
+from estimax import storage
 
 logger = logging.getLogger("estimax")
 
@@ -20,12 +23,15 @@ class Profiler:
     def __init__(self, steps: tuple[int, int] | None, logdir: str | None):
         self.steps, self.logdir = steps, logdir
         self._active = False
+        self._local = logdir
 
     def before_loop(self, step: int, state) -> None:
         if self.steps is None or self._active or not (self.steps[0] <= step < self.steps[1]):
             return
         jax.block_until_ready(state)  # host sync: the trace starts with this loop, not the previous one
-        jax.profiler.start_trace(self.logdir)
+        # The profiler writes local files: a trace for an object store is uploaded when it stops.
+        self._local = tempfile.mkdtemp(prefix="estimax-profile-") if storage.is_url(self.logdir) else self.logdir
+        jax.profiler.start_trace(self._local)
         self._active = True
         logger.info("Profiling steps %d-%d into %s", step, self.steps[1], self.logdir)
 
@@ -43,7 +49,7 @@ class Profiler:
             jax.block_until_ready(state)  # host sync: the traced loops must be in the trace
             jax.profiler.stop_trace()
             self._active = False
-
-
-def profile_dir(model_dir: str | None) -> str | None:
-    return None if model_dir is None else os.path.join(model_dir, "profile")
+            if self._local != self.logdir:
+                fs, inner = storage.filesystem(self.logdir)
+                fs.put(self._local.rstrip("/") + "/", inner, recursive=True)
+                shutil.rmtree(self._local, ignore_errors=True)

@@ -16,12 +16,13 @@ import collections
 import concurrent.futures
 import json
 import logging
-import os
 import re
 import signal
 import sys
 import time
 from typing import TYPE_CHECKING
+
+from estimax import storage
 
 if TYPE_CHECKING:  # numpy is imported only to serve: `estimax --help` stays light
     import numpy as np
@@ -103,8 +104,8 @@ def main(args: argparse.Namespace) -> int:
 
 def default_name(path: str) -> str:
     """The directory's name; its parent's when it is a step number (exports/digits/400 -> digits)."""
-    parts = os.path.abspath(path).rstrip(os.sep).split(os.sep)
-    return parts[-2] if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
+    path = storage.resolve(path)
+    return storage.name(storage.parent(path)) if storage.name(path).isdigit() else storage.name(path)
 
 
 async def serve(model, name: str, host: str, port: int, max_batch: int, max_wait: float, max_body_mb: float) -> None:

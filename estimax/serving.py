@@ -17,6 +17,7 @@ import warnings
 import jax
 import numpy as np
 
+from estimax import storage
 from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
@@ -129,7 +130,13 @@ def load(path: str) -> ExportedModel:
     """The model exported to ``path`` by ``Estimator.export``, ready to call on numpy arrays."""
     from jax import export as jax_export
 
-    path = os.path.abspath(os.fspath(path))
+    path = storage.resolve(path)
+    if storage.is_url(path):  # read from a local copy: the program and arrays are read whole anyway
+        import tempfile
+
+        if not storage.exists(storage.join(path, SIGNATURE)):
+            raise ArtifactError(f"{path} holds no {SIGNATURE}; expected the directory written by Estimator.export().")
+        path = storage.download(path, tempfile.mkdtemp(prefix="estimax-serving-"))
     signature = _read_signature(path)
     program_path = os.path.join(path, signature["program"])
     program = _read_bytes(program_path)

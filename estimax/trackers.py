@@ -16,6 +16,7 @@ object with ``writer(run) -> Writer``: ``TRACKERS`` names them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -24,9 +25,9 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
-logger = logging.getLogger("estimax")
+from estimax import storage
 
-RUN_IDS_FILE = "trackers.json"
+logger = logging.getLogger("estimax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,39 +83,33 @@ def resolve(trackers: Sequence) -> tuple:
 
 @dataclasses.dataclass
 class RunContext:
-    """What a tracker writer needs from its run: the configuration to log as parameters,
-    the model_dir, and the run ids shared by every writer of one Estimator."""
+    """What a tracker writer needs from its run: the configuration to log as parameters, the
+    run's name, and the run ids shared by every writer of one Estimator, kept in ``ids_file``
+    (the run directory's ``trackers.json``; ``None`` without a model_dir)."""
 
-    model_dir: str | None
+    name: str
     parameters: dict
-    run_ids: dict  # tracker name -> run id; persisted in <model_dir>/trackers.json
-
-    @property
-    def name(self) -> str:
-        return os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir else "estimax"
+    run_ids: dict  # tracker name -> run id
+    ids_file: str | None = None
 
     def run_id(self, tracker: str) -> str | None:
-        if tracker not in self.run_ids and self.model_dir:
-            try:
-                with open(os.path.join(self.model_dir, RUN_IDS_FILE)) as f:
-                    self.run_ids.update(json.load(f))
-            except FileNotFoundError:
-                pass
+        if tracker not in self.run_ids and self.ids_file:
+            with contextlib.suppress(FileNotFoundError):
+                self.run_ids.update(json.loads(storage.read_bytes(self.ids_file)))
         return self.run_ids.get(tracker)
 
     def remember(self, tracker: str, run_id: str) -> None:
         self.run_ids[tracker] = run_id
-        if self.model_dir:
-            os.makedirs(self.model_dir, exist_ok=True)
-            with open(os.path.join(self.model_dir, RUN_IDS_FILE), "w") as f:
-                json.dump(self.run_ids, f)
+        if self.ids_file:
+            storage.write_bytes(self.ids_file, json.dumps(self.run_ids).encode())
 
 
-def writers(config, params: Mapping, run_ids: dict) -> list:
-    """One writer per tracker of ``config`` (a ``RunConfig``); ``params``: the model's hyper-parameters."""
+def writers(config, params: Mapping, run_ids: dict, run_dir) -> list:
+    """One writer per tracker of ``config`` (a ``RunConfig``); ``params``: the model's hyper-parameters;
+    ``run_dir``: the run's ``RunDir`` (or ``NoRunDir``)."""
     if not config.trackers:
         return []
-    run = RunContext(config.model_dir, run_parameters(config, params), run_ids)
+    run = RunContext(run_dir.name, run_parameters(config, params), run_ids, run_dir.trackers_file)
     return [tracker.writer(run) for tracker in config.trackers]
 
 

@@ -96,7 +96,7 @@ class TrainingLoop:
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {step})")
         try:
-            with PreemptionWatch(saves=self.checkpointer is not None) as preemption:
+            with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
                 for chunk in chunks:
                     self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
                     self.profiler.before_loop(step, state)
@@ -108,7 +108,7 @@ class TrainingLoop:
                     current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
                     step = current.step_after
                     publish(state, step, current.input_state)
-                    due = bool(self.checkpointer) and self.checkpointer.due(current.step_before, step)
+                    due = self.checkpointer.due(current.step_before, step)
                     with self._saving_on_error(state, current, due):
                         if previous is not None:
                             stop |= self._after_loop(previous, chunks)
@@ -129,22 +129,21 @@ class TrainingLoop:
                     if stop:
                         self.stopped = True
                         break
-            with self._saving_on_error(state, last, bool(self.checkpointer) and last is not None):
+            with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
                 if previous is not None:
                     self._after_loop(previous, chunks, final=True)
                 if preemption.signal_name is None and evaluation is not None and not stop:
                     self._evaluate(evaluation, state, previous, preemption, final=True)
-            if self.checkpointer and last is not None:
+            if self.checkpointer.saves and last is not None:
                 self._save(state, last)
             self.profiler.stop(state)
-            if self.checkpointer:
-                timer = time.perf_counter()
-                self.checkpointer.wait()
-                self.seconds["checkpoint"] += time.perf_counter() - timer
+            timer = time.perf_counter()
+            self.checkpointer.wait()
+            self.seconds["checkpoint"] += time.perf_counter() - timer
             self.seconds["input_wait"] = chunks.wait_seconds
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:
-                saved = self.checkpointer is not None and self.checkpointer.latest_step() == step
+                saved = self.checkpointer.latest_step() == step
                 stopped = preemption_lib.stopped(
                     step, preemption.signal_name, self.checkpointer.directory if saved else None
                 )
@@ -152,8 +151,7 @@ class TrainingLoop:
                 raise stopped
             return state, step
         except BaseException:
-            if self.checkpointer:
-                self.checkpointer.wait()  # saves in flight complete: checkpoints already written stay valid
+            self.checkpointer.wait()  # saves in flight complete: checkpoints already written stay valid
             raise
 
     # -- at a loop boundary ----------------------------------------------------
@@ -196,7 +194,7 @@ class TrainingLoop:
             names = (
                 [n for n, ok in zip(self.param_names, finite[i], strict=True) if not ok] if finite is not None else []
             )
-            last = self.checkpointer.latest_step() if self.checkpointer else None
+            last = self.checkpointer.latest_step()
             raise NonFiniteError(
                 f"Non-finite values at step {loop.step_before + i + 1} (in the loop of steps "
                 f"{loop.step_before + 1}-{loop.step_after}): loss {outputs['loss'][i]}; non-finite gradients "

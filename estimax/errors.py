@@ -1,0 +1,32 @@
+"""The estimax error family: what estimax raises about the user's input or setup.
+
+Every such error is an ``EstimaxError``; its subclasses say the kind
+(configuration, input, storage, ...). Each also derives from the built-in
+exception that code written before this family caught (``ValueError``,
+``PermissionError``, ...), so ``except ValueError`` keeps working. The command
+line prints any ``EstimaxError`` as one line. Imports nothing heavy: the CLI
+reads it before JAX is imported. Does not own the messages: each raiser
+writes its own (what it received, what it expected, the fix).
+"""
+
+from __future__ import annotations
+
+
+class EstimaxError(Exception):
+    """Base of every error estimax raises about the user's input, configuration or environment."""
+
+
+class ConfigError(EstimaxError, ValueError):
+    """A RunConfig, Estimator or call argument that cannot work."""
+
+
+class InputError(EstimaxError, ValueError):
+    """An input source or batch that does not fit (shapes, sizes, corrupt records)."""
+
+
+class StorageError(EstimaxError, OSError):
+    """A path or URL that cannot be used: missing client library, credentials, bucket, permission."""
+
+
+class DistributedError(EstimaxError, RuntimeError):
+    """The process group cannot be formed or a peer is missing."""

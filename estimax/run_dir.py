@@ -1,0 +1,228 @@
+"""Everything estimax keeps for a run: ``RunDir`` owns the model_dir, ``NoRunDir`` stands for none.
+
+A model_dir (a local path, ``file://``, or ``gs://``) holds::
+
+    checkpoints/<step>/     Orbax checkpoints of the TrainState (checkpoint.py)
+    best/<step>/            the best checkpoint by an evaluation metric
+    estimax.lock            one writer at a time (lock.py: a file, or a lease object)
+    metrics.jsonl           the records of training and evaluation (writers.py)
+    tensorboard/<split>/    TensorBoard event files
+    profile/                jax.profiler traces
+    trackers.json           the experiment trackers' run ids
+
+Owns these names, which object reads and writes each, taking the lock around
+writing (process 0 takes it for the group, the others learn the outcome),
+and refusing, before anything is written, a location that cannot hold a run.
+Every other module asks a ``RunDir`` for a path; none joins one itself.
+``NoRunDir`` (``RunConfig(model_dir=None)``) answers the same questions:
+no checkpoints, no files, nothing to lock. Does not own what a checkpoint
+holds (``checkpoint.py``) nor what a record says (``report.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import jax
+
+from estimax import storage
+from estimax.checkpoint import Checkpointer
+from estimax.config import CheckpointPolicy
+from estimax.errors import ConfigError, StorageError
+from estimax.lock import ModelDirLocked, ModelDirNotWritable, lock_for
+
+logger = logging.getLogger("estimax")
+
+CHECKPOINTS, BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
+    "checkpoints",
+    "best",
+    "metrics.jsonl",
+    "tensorboard",
+    "profile",
+    "trackers.json",
+)
+
+
+def open_run_dir(model_dir, policy: CheckpointPolicy, run_meta: dict) -> RunDir | NoRunDir:
+    """The run directory of ``RunConfig(model_dir=...)``: a ``RunDir``, or ``NoRunDir`` for ``None``."""
+    return NoRunDir() if model_dir is None else RunDir(model_dir, policy, run_meta)
+
+
+class RunDir:
+    """The files of one run under ``url``; read-only until ``writing()``."""
+
+    def __init__(self, model_dir, policy: CheckpointPolicy, run_meta: dict | None = None):
+        self.url = storage.resolve(model_dir)
+        check_supported(self.url)
+        self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True)
+        self.checkpoints.run_meta = dict(run_meta or {})
+        self.lock = lock_for(self.url)
+
+    def __repr__(self) -> str:
+        return f"RunDir({self.url!r})"
+
+    def path(self, *names: str) -> str:
+        return storage.join(self.url, *names)
+
+    @property
+    def profile_dir(self) -> str:
+        return self.path(PROFILE)
+
+    @property
+    def trackers_file(self) -> str:
+        return self.path(TRACKERS)
+
+    @property
+    def name(self) -> str:
+        return storage.name(self.url)
+
+    def no_checkpoint(self) -> str:
+        return f"model_dir {self.url!r} has no checkpoint"
+
+    def best(self, metric: str, direction: str) -> Checkpointer:
+        """The best checkpoint by ``metric`` (``direction`` "max" or "min"), opened by ``writing``."""
+        return Checkpointer(
+            self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
+        )
+
+    def file_writers(self, tensorboard: bool) -> list:
+        """``metrics.jsonl`` and, with ``tensorboard``, the event files."""
+        from estimax.writers import JsonlWriter, TensorBoardWriter
+
+        writers: list = [JsonlWriter(self.path(METRICS))]
+        if tensorboard:
+            writers.append(TensorBoardWriter(self.path(TENSORBOARD)))
+        return writers
+
+    @contextlib.contextmanager
+    def writing(self, sync, best: Checkpointer | None = None):
+        """Holds the lock while training writes here (process 0 takes it for the group; the others
+        learn the outcome and fail alike); the checkpointers write until it ends, on every exit path."""
+        primary = jax.process_index() == 0
+        outcome = "ok"
+        if primary:
+            try:
+                self.lock.acquire()
+            except (ModelDirLocked, ModelDirNotWritable, StorageError) as error:
+                outcome = f"{type(error).__name__}:{error}"
+        outcome = sync.share("taking the model_dir lock", outcome)
+        if outcome != "ok":
+            kind, text = outcome.split(":", 1)
+            raise {"ModelDirLocked": ModelDirLocked, "ModelDirNotWritable": ModelDirNotWritable}.get(
+                kind, StorageError
+            )(text)
+        try:
+            self.checkpoints.open_for_writing(primary)
+            if best is not None:
+                best.open_for_writing(primary)
+            yield
+        finally:
+            try:
+                if best is not None:
+                    best.close_for_writing()
+                self.checkpoints.close_for_writing()
+            finally:
+                if primary:
+                    self.lock.release()
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Yields whether this process may write a record here now: not while another process holds
+        the lock (a run in training keeps its files to itself), nor when it is not writable; either
+        is said. Holds the lock meanwhile unless this process holds it already."""
+        if jax.process_index() != 0:
+            yield False
+            return
+        if self.lock.held:
+            yield True
+            return
+        try:
+            self.lock.acquire()
+        except (ModelDirLocked, ModelDirNotWritable, StorageError) as error:
+            logger.warning("Not written to %s: %s", self.url, error)
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self.lock.release()
+
+
+class NoCheckpoints:
+    """The checkpoints of ``NoRunDir``: none, and saving keeps nothing."""
+
+    directory = None
+    saves = False
+    run_meta: dict = {}
+
+    def latest_step(self) -> None:
+        return None
+
+    def steps(self) -> list[int]:
+        return []
+
+    def due(self, step_before: int, step_after: int) -> bool:
+        return False
+
+    def restore(self, abstract_state, step: int | None = None):
+        raise ConfigError(
+            f"checkpoint={step} is a step, but RunConfig(model_dir=None) has no checkpoints; expected a "
+            "checkpoint path, or a RunConfig(model_dir=...) that holds that step."
+        )
+
+    def refresh(self) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+
+class NoRunDir:
+    """``RunConfig(model_dir=None)``: nothing is kept, so there is nothing to lock or write."""
+
+    url = None
+    profile_dir = None
+    trackers_file = None
+    name = "estimax"
+
+    def __init__(self):
+        self.checkpoints = NoCheckpoints()
+
+    def __repr__(self) -> str:
+        return "NoRunDir()"
+
+    def no_checkpoint(self) -> str:
+        return "RunConfig(model_dir=None) has no checkpoint to restore"
+
+    def best(self, metric: str, direction: str) -> None:
+        return None
+
+    def file_writers(self, tensorboard: bool) -> list:
+        return []
+
+    @contextlib.contextmanager
+    def writing(self, sync, best=None):
+        yield
+
+    @contextlib.contextmanager
+    def recording(self):
+        yield False
+
+
+def check_supported(url: str) -> None:
+    """Refuses, before anything is written, a model_dir whose store cannot hold checkpoints."""
+    kind = storage.scheme(url)
+    if kind in ("", "file", "gs"):
+        return
+    if kind == "s3":
+        raise StorageError(
+            f"model_dir {url}: checkpoints cannot be written to s3:// yet (Orbax 0.12 writes gs:// and local "
+            "paths only: it fails with 'Checkpoint path should be absolute'). Expected a local path or gs://. "
+            "Fix: use gs://, a shared file system, or a mounted bucket (mountpoint-s3, s3fs-fuse) as a local "
+            "path; s3:// works for input data (ex.data readers) and exported models."
+        )
+    raise StorageError(
+        f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths and "
+        "gs://). Expected a local path or gs://. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
+    )
