@@ -131,6 +131,11 @@ class Estimator:
         self._ensure_state()
         return self._step
 
+    def state(self):
+        """The current ``TrainState``: the latest checkpoint of model_dir if newer, else what this
+        Estimator trained, warm-started or initialised."""
+        return self._ensure_state()
+
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
         return checkpoint_lib.abstract_like(self._abstract_state, self.layout.state)
@@ -397,7 +402,7 @@ class Estimator:
         """Writes an evaluation to the console, and to model_dir's files when this process may write
         there: not while another process holds its lock (a run in training keeps its files to
         itself), nor when it is not writable; either is said, and the results are still returned."""
-        with self.run_dir.recording() as files:
+        with self.run_dir.recording(f"The evaluation of step {step}") as files:
             try:
                 for writer in self._writers(files):
                     writer.write("eval", step, results)

@@ -27,6 +27,15 @@ class _OrbaxChatter(logging.Filter):
         return "orbax" not in record.pathname  # its failures reach the caller as exceptions
 
 
+class _NoCredentials(logging.Filter):
+    """gcsfs warns on every call that it found no credentials, then goes on anonymously (which an
+    emulator or a public bucket accepts); a real permission problem reaches the caller as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "credentials were not found" not in message and "unavailable metadata server" not in message
+
+
 class _ClosedLoop(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.exc_info and _is_closed_loop(record.exc_info[1])) and _CLOSED not in record.getMessage()
@@ -54,6 +63,8 @@ def quiet_libraries() -> None:
     if any(isinstance(f, _OrbaxChatter) for f in absl.filters):  # installed already
         return
     absl.addFilter(_OrbaxChatter())
+    logging.getLogger("gcsfs").addFilter(_NoCredentials())
+    logging.getLogger("google.auth._default").addFilter(_NoCredentials())
     logging.getLogger("asyncio").addFilter(_ClosedLoop())
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     threading.excepthook = _thread_exception(threading.excepthook)

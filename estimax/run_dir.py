@@ -127,7 +127,7 @@ class RunDir:
                     self.lock.release()
 
     @contextlib.contextmanager
-    def recording(self):
+    def recording(self, what: str):
         """Yields whether this process may write a record here now: not while another process holds
         the lock (a run in training keeps its files to itself), nor when it is not writable; either
         is said. Holds the lock meanwhile unless this process holds it already."""
@@ -140,7 +140,7 @@ class RunDir:
         try:
             self.lock.acquire()
         except (ModelDirLocked, ModelDirNotWritable, StorageError) as error:
-            logger.warning("Not written to %s: %s", self.url, error)
+            logger.warning("%s is not written to %s: %s", what, self.url, error)
             yield False
             return
         try:
@@ -154,7 +154,6 @@ class NoCheckpoints:
 
     directory = None
     saves = False
-    run_meta: dict = {}
 
     def latest_step(self) -> None:
         return None
@@ -206,8 +205,8 @@ class NoRunDir:
         yield
 
     @contextlib.contextmanager
-    def recording(self):
-        yield False
+    def recording(self, what: str):
+        yield True  # nothing to lock: trackers may still record
 
 
 def check_supported(url: str) -> None:

@@ -163,6 +163,7 @@ def remove(path: str, recursive: bool = False) -> None:
     fs, inner = filesystem(path)
     with contextlib.suppress(FileNotFoundError):
         fs.rm(inner, recursive=recursive)
+    _forget_listings(fs)
 
 
 def move(source: str, target: str) -> None:
@@ -175,6 +176,14 @@ def move(source: str, target: str) -> None:
     _, inner_target = filesystem(target)
     fs.copy(inner, inner_target, recursive=True)
     fs.rm(inner, recursive=True)
+    _forget_listings(fs)
+
+
+def _forget_listings(fs) -> None:
+    """Drops the cached listings of every client of ``fs``'s kind (Orbax's included), which would
+    otherwise still list what was just moved or deleted."""
+    for instance in list(getattr(type(fs), "_cache", {}).values()):
+        instance.invalidate_cache()
 
 
 def upload(local_dir: str, url: str, last: str | None = None) -> None:

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from estimax import checkpoint as checkpoint_lib
+from estimax import storage
 from estimax.state import leaf_names
 
 logger = logging.getLogger("estimax")
@@ -134,11 +135,12 @@ class WarmStart:
 
     def _source(self) -> tuple[dict[str, np.ndarray], dict | None]:
         """(parameters by path, the whole raw checkpoint or None) of ``path``."""
-        path = os.fspath(self.path)
+        path = storage.resolve(self.path)
         if path.endswith(".npz"):
             with np.load(path, allow_pickle=False) as arrays:
                 return {k.removesuffix("/value"): arrays[k] for k in arrays.files}, None
-        if os.path.isdir(path) and not os.path.isdir(os.path.join(path, "checkpoints")) and _has_npy(path):
+        local_arrays = not storage.is_url(path) and os.path.isdir(path) and _has_npy(path)
+        if local_arrays and not os.path.isdir(os.path.join(path, "checkpoints")):
             arrays = {}
             for root, _, files in os.walk(path):
                 for f in files:

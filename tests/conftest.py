@@ -8,6 +8,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from stores import gcs  # noqa: E402, F401 (the GCS emulator fixture)
 
 
 def pytest_configure(config):

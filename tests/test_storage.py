@@ -1,0 +1,140 @@
+"""A model_dir on object storage: gs:// end to end against a real GCS emulator on 127.0.0.1,
+stores that cannot hold checkpoints refused before anything is written, and paths as users type them."""
+
+import json
+import os
+import time
+
+import fsspec
+import jax
+import numpy as np
+import optax
+import pytest
+from models import blobs, mlp, model_fn
+
+import estimax as ex
+from estimax import storage
+from estimax.errors import StorageError
+from estimax.lock import LeaseLock, holder_record
+
+DATA = blobs(256)
+
+
+def estimator(model_dir, **config):
+    settings = dict(model_dir=model_dir, train_batch_size=32, steps_per_loop=4, tensorboard=False, quiet=True)
+    settings.update(config)
+    return ex.Estimator(mlp, model_fn, optax.adam(1e-2), ex.RunConfig(**settings))
+
+
+def bucket_names(url: str) -> list[str]:
+    fs, inner = fsspec.core.url_to_fs(url)
+    fs.invalidate_cache()
+    return sorted(p[len(inner) + 1 :] for p in fs.find(inner))
+
+
+# -- paths as users type them -----------------------------------------------------------
+
+
+def test_paths_expand_home_and_variables_and_keep_urls(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    assert storage.resolve("~/x") == str(tmp_path / "x")
+    assert storage.resolve("$RUNS/y") == str(tmp_path / "runs" / "y")
+    assert storage.resolve("file:///tmp/z") == "/tmp/z"
+    assert storage.resolve("gs://bucket/run/") == "gs://bucket/run"
+    assert storage.join("gs://bucket/run", "checkpoints") == "gs://bucket/run/checkpoints"
+    assert estimator("~/run").run_dir.url == str(tmp_path / "run")
+    assert not os.path.exists("~")
+
+
+@pytest.mark.parametrize("url", ["s3://runs/digits", "memory://runs/digits"])
+def test_a_store_that_cannot_hold_checkpoints_is_refused_before_anything_is_written(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StorageError, match=f"model_dir {url}: .*Fix: use"):
+        estimator(url)
+    assert os.listdir(tmp_path) == []  # no local folder named after the URL
+
+
+# -- gs:// against the emulator -------------------------------------------------------------
+
+
+def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    url = "gs://bkt/e2e"
+    policy = ex.CheckpointPolicy(every_steps=8)
+    estimator(url, checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=16)
+    names = bucket_names(url)
+    assert any(n.startswith("checkpoints/8/") for n in names) and any(n.startswith("checkpoints/16/") for n in names)
+    assert "estimax.lock" not in names  # released at the end
+    assert not os.path.exists(tmp_path / "gs:")  # nothing local named after the URL
+
+    # A new process's view: resumes from the bucket and continues exactly as an uninterrupted run.
+    resumed = estimator(url, checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
+    local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
+    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+    reader = estimator(url)
+    assert reader.step == 32
+    assert reader.evaluate(ex.data.from_arrays(*DATA)) == local.evaluate(ex.data.from_arrays(*DATA))
+    assert (
+        estimator(None).evaluate(ex.data.from_arrays(*DATA), checkpoint=f"{url}/checkpoints/16")["num_examples"] == 256
+    )
+
+    exported = reader.export("gs://bkt/exports/mlp", example_features={"x": DATA[0]["x"][:1]})
+    assert exported == "gs://bkt/exports/mlp" and "signature.json" in bucket_names(exported)
+    served = ex.serving.load(exported)({"x": DATA[0]["x"][:8]})
+    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": DATA[0]["x"][:8]}))]
+    np.testing.assert_array_equal(served["class"], expected)
+
+
+def test_gs_best_checkpoint_and_warm_start_from_a_bucket(gcs):
+    url = "gs://bkt/best"
+    est = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    est.train_and_evaluate(
+        ex.data.from_arrays(*DATA), ex.data.from_arrays(*DATA), max_steps=12, eval_every_steps=4,
+        best_metric="accuracy",
+    )  # fmt: skip
+    assert any(n.startswith("best/") for n in bucket_names(url))
+    warm = ex.Estimator(
+        mlp, model_fn, optax.adam(1e-2), ex.RunConfig(model_dir=None, train_batch_size=32), warm_start=ex.WarmStart(url)
+    )
+    for x, y in zip(jax.tree.leaves(warm.state().params), jax.tree.leaves(est.state().params), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
+    url = "gs://bkt/heal"
+    estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(ex.data.from_arrays(*DATA), max_steps=8)
+    fs, inner = fsspec.core.url_to_fs(url)
+    arrays = [p for p in fs.find(f"{inner}/checkpoints/8/state") if "/d/" in p]
+    fs.pipe_file(arrays[0], b"garbage")  # an altered array file
+    healed = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    healed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+    names = bucket_names(url)
+    assert any(".corrupt-" in n for n in names) and any(n.startswith("checkpoints/8/") for n in names)
+    assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
+
+
+def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
+    url = "gs://bkt/locked"
+    holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
+    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
+    with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
+        estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
+    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
+    assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
+    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text
+
+    with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
+        assert lock.held
+        with pytest.raises(ex.ModelDirLocked, match="being written by another process"):
+            LeaseLock(url).acquire()
+
+
+def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
+    est = estimator("gs://no-such-bucket/run")
+    with pytest.raises(StorageError, match="gs://no-such-bucket/run: bucket 'no-such-bucket' does not exist.*Fix"):
+        est.train(ex.data.from_arrays(*DATA), max_steps=4)
+    assert est.step == 0
