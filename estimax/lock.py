@@ -236,7 +236,8 @@ class LeaseLock:
             if holder is None:
                 continue  # released in between
             age = time.time() - float(holder.get("renewed_at", 0))
-            if age <= float(holder.get("lease_seconds", self.lease_seconds)):
+            gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
+            if age <= float(holder.get("lease_seconds", self.lease_seconds)) and not gone:
                 raise ModelDirLocked(
                     f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
                     f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
@@ -246,9 +247,11 @@ class LeaseLock:
             if read_holder(self.path) == holder:  # still the expired one: take it over
                 storage.remove(self.path)
                 logger.warning(
-                    "Took over the lock of model_dir %s: its lease expired %.0f s ago (%s).",
+                    "Took over the lock of model_dir %s: %s (%s).",
                     self.model_dir,
-                    age - float(holder.get("lease_seconds", self.lease_seconds)),
+                    "its holder is gone"
+                    if gone
+                    else f"its lease expired {age - float(holder.get('lease_seconds', self.lease_seconds)):.0f} s ago",
                     describe(holder),
                 )
         raise ModelDirLocked(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")

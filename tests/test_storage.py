@@ -3,6 +3,7 @@ stores that cannot hold checkpoints refused before anything is written, and path
 
 import json
 import os
+import signal
 import time
 
 import fsspec
@@ -117,7 +118,7 @@ def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
     assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
 
 
-def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
+def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, capfd):
     url = "gs://bkt/locked"
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
@@ -125,7 +126,7 @@ def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
         estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
     assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
-    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text
+    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in capfd.readouterr().err
 
     with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
         assert lock.held
@@ -138,3 +139,24 @@ def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
     with pytest.raises(StorageError, match="gs://no-such-bucket/run: bucket 'no-such-bucket' does not exist.*Fix"):
         est.train(ex.data.from_arrays(*DATA), max_steps=4)
     assert est.step == 0
+
+
+def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path):
+    """2 processes x 4 devices write one gs:// model_dir; one is killed with SIGKILL after a save; the
+    restarted group ends with the parameters of an uninterrupted run, bit for bit."""
+    from test_distributed import STEPS, _finish, _launcher, _max_difference, _result
+
+    _finish(_launcher(str(tmp_path / "reference"), str(tmp_path / "reference-out"), "train", str(STEPS)))
+    url, out_dir = "gs://bkt/multihost", tmp_path / "out"
+    launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
+    deadline = time.monotonic() + 120
+    while max([int(n) for n in storage.listdir(f"{url}/checkpoints") if n.isdigit()] or [0]) < 8:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+        time.sleep(0.1)
+    os.kill(int((out_dir / "pid-1").read_text()), signal.SIGKILL)
+    out = _finish(launcher, timeout=240)
+    assert "restarting the group from its latest checkpoint" in out and "Restored checkpoint step" in out
+    resumed, uninterrupted = _result(out_dir), _result(tmp_path / "reference-out")
+    assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
+    assert _max_difference(resumed["params"], uninterrupted["params"]) == 0.0
+    assert resumed["eval"] == uninterrupted["eval"]
