@@ -1,0 +1,92 @@
+"""Checkpoints of the LM's TrainState in a bucket against local disk, as ratios.
+
+Starts fake-gcs-server (the GCS API emulator) on 127.0.0.1, builds the LM
+example's state (parameters and Adam's moments, as ``estimax train --example
+lm`` has them) and measures with the engine's own ``Checkpointer``, side by
+side in one process, for a local directory and for ``gs://``:
+
+- ``save_blocking``: how long ``save`` blocks the training loop (the rest of
+  the write continues in the background: saves stay asynchronous on a bucket);
+- ``save_complete``: until the checkpoint is committed;
+- ``restore``: a verified restore into the run's shardings.
+
+The emulator stores objects on the same local disk, so the ratio measures the
+protocol (HTTP, tensorstore's GCS driver, the commit marker), not a network.
+Run: ``python benchmarks/storage.py [--repeats 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+from stores import GCSEmulator  # noqa: E402
+
+
+def measure(estimator, directory: str, repeats: int) -> dict:
+    from estimax.checkpoint import Checkpointer
+    from estimax.config import CheckpointPolicy
+
+    state = estimator.state()
+    shapes = estimator.state_shapes()
+    checkpointer = Checkpointer(directory, CheckpointPolicy(keep=2))
+    blocking, complete, restore = [], [], []
+    for step in range(repeats + 1):  # the first round compiles the checksums and warms the clients up
+        start = time.perf_counter()
+        checkpointer.save(step + 1, state)
+        returned = time.perf_counter()
+        checkpointer.wait()
+        done = time.perf_counter()
+        checkpointer.restore(shapes, step + 1)
+        if step:
+            blocking.append(returned - start)
+            complete.append(done - start)
+            restore.append(time.perf_counter() - done)
+    checkpointer.close()
+    return {"save_blocking": blocking, "save_complete": complete, "restore": restore}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="estimax-bench-storage-")
+    emulator = GCSEmulator(root, buckets=("bench",))
+    os.environ.update(emulator.env)
+    try:
+        import jax
+
+        import estimax as ex
+        from estimax.examples import lm
+
+        estimator = lm.estimator(ex.RunConfig(model_dir=None, train_batch_size=16, quiet=True))
+        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(estimator.state_shapes()))
+        local = measure(estimator, os.path.join(root, "local"), args.repeats)
+        bucket = measure(estimator, "gs://bench/lm/checkpoints", args.repeats)
+        for name in local:
+            print(
+                json.dumps(
+                    {
+                        "what": name,
+                        "state_mib": round(size / 2**20, 1),
+                        "local_ms": [round(1e3 * min(local[name]), 1), round(1e3 * max(local[name]), 1)],
+                        "gs_ms": [round(1e3 * min(bucket[name]), 1), round(1e3 * max(bucket[name]), 1)],
+                        "gs_over_local_median": round(
+                            sorted(bucket[name])[len(bucket[name]) // 2] / sorted(local[name])[len(local[name]) // 2],
+                            2,
+                        ),
+                    }
+                )
+            )
+    finally:
+        emulator.stop()
+
+
+if __name__ == "__main__":
+    main()
