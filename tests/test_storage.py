@@ -112,21 +112,23 @@ def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
     arrays = [p for p in fs.find(f"{inner}/checkpoints/8/state") if "/d/" in p]
     fs.pipe_file(arrays[0], b"garbage")  # an altered array file
     healed = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
-    healed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+    with caplog.at_level("INFO", logger="estimax"):
+        healed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
     names = bucket_names(url)
     assert any(".corrupt-" in n for n in names) and any(n.startswith("checkpoints/8/") for n in names)
     assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
 
 
-def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, capfd):
+def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
     url = "gs://bkt/locked"
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
     with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
         estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
-    assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
-    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in capfd.readouterr().err
+    with caplog.at_level("WARNING", logger="estimax"):
+        assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
+    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text
 
     with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
         assert lock.held
