@@ -41,7 +41,7 @@ def enable(directory: str | os.PathLike | None) -> str | None:
     """
     if directory is None:
         return None
-    directory = os.path.abspath(os.fspath(directory))
+    directory = os.path.abspath(os.path.expandvars(os.path.expanduser(os.fspath(directory))))
     current = jax.config.jax_compilation_cache_dir
     if current is not None and os.path.abspath(current) != directory:
         logger.warning("The compilation cache is already %s in this process; %s is not used.", current, directory)

@@ -15,6 +15,7 @@ from models import blobs, mlp, model_fn
 
 import estimax as ex
 from estimax import storage
+from estimax.data import tfrecord
 from estimax.errors import StorageError
 from estimax.lock import LeaseLock, holder_record
 
@@ -162,3 +163,32 @@ def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path)
     assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
     assert _max_difference(resumed["params"], uninterrupted["params"]) == 0.0
     assert resumed["eval"] == uninterrupted["eval"]
+
+
+def test_tfrecord_data_in_a_bucket_trains_like_the_same_arrays(gcs):
+    features, labels = DATA
+    examples = [{"x": features["x"][i], "y": int(labels[i])} for i in range(len(labels))]
+    tfrecord.write("gs://bkt/data/train-0.tfrecord", examples[:128])
+    tfrecord.write("gs://bkt/data/train-1.tfrecord", examples[128:])
+    spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
+    from_bucket = estimator(None).train(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"), steps=8)
+    on_disk = estimator(None).train(ex.data.from_arrays(*DATA), steps=8)
+    assert from_bucket.step == on_disk.step == 8
+    results = from_bucket.evaluate(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"))
+    assert results["num_examples"] == 256
+
+
+def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, tmp_path):
+    from estimax import compile_cache
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    features, labels = DATA
+    tfrecord.write(str(tmp_path / "d.tfrecord"), [{"x": features["x"][0], "y": 1}])
+    spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
+    assert len(tfrecord.tfrecord("~/d.tfrecord", spec, label="y")) == 1
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert compile_cache.enable("~/cache") == str(tmp_path / "cache")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)

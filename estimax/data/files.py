@@ -17,6 +17,8 @@ from typing import NamedTuple
 
 import fsspec
 
+from estimax import storage
+
 
 class File(NamedTuple):
     """One file on a filesystem; ``name`` is how errors show it to the user."""
@@ -73,7 +75,7 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     files = []
-    for pattern in map(os.fspath, paths):
+    for pattern in map(storage.expand, paths):
         fs, path = fsspec.core.url_to_fs(pattern)
         matches = sorted(fs.glob(path)) if glob_lib.has_magic(path) else [path] if fs.isfile(path) else []
         if not matches:
@@ -86,7 +88,7 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
 
 def listing(directory: str | os.PathLike) -> list[str]:
     """The names of the files in ``directory`` (any fsspec URL); raises if it is not a directory."""
-    fs, path = fsspec.core.url_to_fs(os.fspath(directory))
+    fs, path = fsspec.core.url_to_fs(storage.expand(directory))
     if not fs.isdir(path):
         raise FileNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
     return [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
