@@ -8,7 +8,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from stores import gcs  # noqa: E402, F401 (the GCS emulator fixture)
+from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
 
 
 def pytest_configure(config):

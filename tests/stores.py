@@ -70,3 +70,46 @@ def gcs(tmp_path_factory):
         else:
             os.environ[key] = value
     emulator.stop()
+
+
+class S3Server:
+    """moto's S3 server on 127.0.0.1, in this process; clients find it through the standard AWS variables."""
+
+    def __init__(self, buckets=("bkt",)):
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
+        self.server.start()
+        self.env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                              aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+        for bucket in buckets:
+            client.create_bucket(Bucket=bucket)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server, with this process's environment pointing at it for the whole session."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    server = S3Server()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()

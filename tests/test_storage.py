@@ -192,3 +192,17 @@ def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, t
         assert compile_cache.enable("~/cache") == str(tmp_path / "cache")
     finally:
         jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def test_s3_holds_data_and_exports_against_a_real_s3_server(s3, tmp_path):
+    features, labels = DATA
+    tfrecord.write("s3://bkt/data/train.tfrecord", [{"x": features["x"][i], "y": int(labels[i])} for i in range(256)])
+    spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
+    est = estimator(str(tmp_path / "run")).train(
+        tfrecord.tfrecord("s3://bkt/data/train.tfrecord", spec, label="y"), steps=8
+    )
+    exported = est.export("s3://bkt/exports/mlp/8", example_features={"x": features["x"][:1]})
+    served = ex.serving.load(exported)({"x": features["x"][:8]})
+    expected = [row["class"] for row in est.predict(ex.data.from_arrays({"x": features["x"][:8]}))]
+    np.testing.assert_array_equal(served["class"], expected)
+    assert not os.path.exists("s3:")
