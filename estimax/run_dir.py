@@ -22,6 +22,7 @@ holds (``checkpoint.py``) nor what a record says (``report.py``).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 
 import jax
@@ -86,12 +87,13 @@ class RunDir:
             self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
         )
 
-    def file_writers(self, tensorboard: bool) -> list:
-        """``metrics.jsonl`` and, with ``tensorboard``, the event files."""
+    def file_writers(self, tensorboard: bool | None) -> list:
+        """``metrics.jsonl`` and, with ``tensorboard`` (``None``: when tensorboardX is installed), the
+        event files."""
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
         writers: list = [JsonlWriter(self.path(METRICS))]
-        if tensorboard:
+        if tensorboard or (tensorboard is None and importlib.util.find_spec("tensorboardX")):
             writers.append(TensorBoardWriter(self.path(TENSORBOARD)))
         return writers
 
@@ -197,7 +199,7 @@ class NoRunDir:
     def best(self, metric: str, direction: str) -> None:
         return None
 
-    def file_writers(self, tensorboard: bool) -> list:
+    def file_writers(self, tensorboard: bool | None) -> list:
         return []
 
     @contextlib.contextmanager

@@ -101,3 +101,21 @@ def check_model_fn(model_fn) -> None:
         ) from None
     except ValueError:  # builtins without a signature: accept
         pass
+
+
+def check_eval_metrics_exist(core, abstract_state, mesh, batch_size: int, inputs, used: dict[str, str]) -> None:
+    """Raises unless every metric in ``used`` is among the evaluation's outputs, traced abstractly on
+    the first batch of the first of ``inputs`` that can be read again (the evaluation input, else the
+    training input); nothing is compiled or evaluated. Plain iterables are checked at the first
+    evaluation instead."""
+    if not used:
+        return
+    from estimax import metrics as metrics_lib
+
+    host_batch = batch_size // jax.process_count()
+    batch = next((b for b in (first_eval_batch(i, host_batch) for i in inputs) if b is not None), None)
+    if batch is None:
+        return
+    with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
+        values, _ = jax.eval_shape(core.eval_values, abstract_state, abstract_batch(batch, batch_size))
+    check_metric_names(used, metric_names(metrics_lib.result_names(values, batch_size)))

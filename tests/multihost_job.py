@@ -89,7 +89,7 @@ def main():
     with open(os.path.join(out_dir, f"local-{process}.json"), "w") as f:
         json.dump({"classes": local, "process_count": jax.process_count()}, f)
     # A collective: the parameters may be sharded over every process's devices.
-    params = multihost_utils.process_allgather(est._ensure_state().params, tiled=True)
+    params = multihost_utils.process_allgather(est.state().params, tiled=True)
     if process == 0:
         leaves = jax.tree_util.tree_leaves_with_path(params)
         result = {
@@ -100,7 +100,7 @@ def main():
             "params": {jax.tree_util.keystr(k): np.asarray(v).tolist() for k, v in leaves},
             "devices": jax.device_count(),
             "processes": jax.process_count(),
-            "kernel_spec": list(est._ensure_state().params["l1"]["kernel"].get_value().sharding.spec),
+            "kernel_spec": list(est.state().params["l1"]["kernel"].get_value().sharding.spec),
         }
         with open(os.path.join(out_dir, "result.json"), "w") as f:
             json.dump(result, f)

@@ -100,7 +100,7 @@ def test_one_micro_batch_is_bit_identical_to_the_step_before_accumulation():
     batches = [({"x": features["x"][64 * i : 64 * (i + 1)]}, labels[64 * i : 64 * (i + 1)]) for i in range(6)]
     outputs = Outputs()
     est = estimator(None, dropout=0.3, train_batch_size=64, loop="scan", steps_per_loop=3, quiet=True)
-    initial = jax.device_get(est._ensure_state())
+    initial = jax.device_get(est.state())
     est.train(batches, max_steps=6, hooks=[outputs])
 
     replicated, stacked = NamedSharding(est.mesh, P()), NamedSharding(est.mesh, P(None, "data"))
@@ -126,7 +126,7 @@ def test_steps_and_schedules_count_optimizer_updates():
     est = estimator(None, optimizer=optimizer, train_batch_size=64, grad_accum_steps=4, steps_per_loop=4, quiet=True)
     est.train(DATA, max_steps=12, hooks=[outputs])
     assert est.step == 12 and len(outputs["loss"]) == 12
-    assert int(jax.device_get(est._state.opt_state.count)) == 12  # one optimizer update per step
+    assert int(jax.device_get(est.state().opt_state.count)) == 12  # one optimizer update per step
     np.testing.assert_allclose(outputs["learning_rate"], [schedule(n) for n in range(12)], rtol=1e-6)
     assert outputs["learning_rate"][-1] == pytest.approx(float(schedule(11)))
 
@@ -136,7 +136,7 @@ def test_strided_micro_batches_gather_nothing():
     est.train(DATA, max_steps=1)
     features, labels = blobs(64)
     batch = jax.device_put(({"x": features["x"]}, labels), NamedSharding(est.mesh, P("data")))
-    hlo = est._train_runner.step.lower(est._state, batch).compile().as_text()
+    hlo = est._train_runner.step.lower(est.state(), batch).compile().as_text()
     assert "all-reduce" in hlo  # the gradient is reduced over the devices ...
     assert "all-gather" not in hlo and "all-to-all" not in hlo  # ... and no rows of the batch move
 
@@ -231,4 +231,4 @@ def test_optax_multisteps_still_trains_but_warns_that_steps_are_mini_steps():
     with pytest.warns(UserWarning, match=r"optax.MultiSteps.*count mini-steps.*grad_accum_steps=k"):
         est = estimator(None, optimizer=optax.MultiSteps(optax.sgd(0.1), every_k_schedule=2), quiet=True)
     est.train(DATA, max_steps=8)
-    assert est.step == 8 and int(jax.device_get(est._state.opt_state.gradient_step)) == 4
+    assert est.step == 8 and int(jax.device_get(est.state().opt_state.gradient_step)) == 4

@@ -119,7 +119,7 @@ def test_warm_start_loads_selected_parameters_and_reports_the_plan(tmp_path):
     source_params, tuned_params, init_params = _params(trained), _params(tuned), _params(fresh)
     np.testing.assert_array_equal(tuned_params["l1/kernel"], source_params["l1/kernel"])
     np.testing.assert_array_equal(tuned_params["l2/kernel"], init_params["l2/kernel"])
-    opt_leaves = jax.tree.leaves(tuned._ensure_state().opt_state)
+    opt_leaves = jax.tree.leaves(tuned.state().opt_state)
     assert all(not np.any(np.asarray(x)) for x in opt_leaves if np.ndim(x))  # a fresh optimizer state
     tuned.train(DATA, max_steps=4)
     again = estimator(str(tmp_path / "tuned"), classes=5, optimizer=optax.adam(1e-2), warm_start=warm)
@@ -195,6 +195,6 @@ def test_a_streaming_input_resumes_from_the_position_saved_with_the_checkpoint(t
         np.testing.assert_array_equal(_params(resumed)[name], value)
     restarted = estimator(str(tmp_path / "c"), steps_per_loop=4, save_every_steps=4)
     restarted.train(stream(), max_steps=8)
-    restarted._input_state = None  # what resuming without the saved position would do: start the stream over
+    restarted._current.input_state = None  # what resuming without the saved position would do: start the stream over
     restarted.train(stream(), max_steps=16)
     assert any(not np.array_equal(_params(restarted)[n], v) for n, v in _params(uninterrupted).items())

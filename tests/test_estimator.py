@@ -80,7 +80,7 @@ def test_only_the_shorter_final_loop_compiles_again():
     est.evaluate(data)
     est.evaluate(data)
     assert runner.scan._cache_size() == 2
-    assert est._eval_runner.step._cache_size() == 1
+    assert est._evaluator.runner.step._cache_size() == 1
     assert est.step == 22
 
 

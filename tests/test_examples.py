@@ -15,7 +15,7 @@ EXAMPLES = [lstm, time_distributed]
 
 
 def _params(est):
-    return [np.asarray(x) for x in jax.tree.leaves(est._ensure_state().params)]
+    return [np.asarray(x) for x in jax.tree.leaves(est.state().params)]
 
 
 def _train(example, steps, **config):

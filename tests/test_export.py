@@ -179,7 +179,7 @@ def test_a_sharded_model_exports_whole_arrays(trained, tmp_path):
         fsdp_min_bytes=0,
     )
     sharded = ex.Estimator(est._core.adapter._factory, est._core.model_fn, est._core.optimizer, config=config)
-    kernel = sharded._ensure_state().params["hidden"]["kernel"].get_value()
+    kernel = sharded.state().params["hidden"]["kernel"].get_value()
     assert kernel.sharding.spec == P("fsdp", "model")
     out = serving.load(sharded.export(str(tmp_path / "sharded"), example_features=inputs))(inputs)
     np.testing.assert_array_equal(out["logits"], serving.load(path)(inputs)["logits"])

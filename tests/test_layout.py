@@ -117,7 +117,7 @@ LAYOUTS = {
 
 
 def host_params(est) -> dict[str, np.ndarray]:
-    state = est._ensure_state()
+    state = est.state()
     return dict(zip(leaf_names(state.params), map(np.asarray, jax.tree.leaves(state.params)), strict=True))
 
 
@@ -150,7 +150,7 @@ def test_sharded_layouts_end_within_1e_5_of_data_parallel_after_50_sgd_steps(dat
     est = tiny(**LAYOUTS[name])
     est.train(ex.data.from_arrays(*sequences()), max_steps=50)
     plan = {row.path: row.spec for row in est.sharding_plan()}
-    state = est._ensure_state()
+    state = est.state()
     for path, leaf in zip(leaf_names(state.params), jax.tree.leaves(state.params), strict=True):
         assert leaf.sharding.spec == plan[path], path  # the arrays live where the plan says
     if "model" in name:
@@ -192,7 +192,7 @@ def test_minus_one_takes_the_rest_and_axes_are_laid_out_data_fsdp_then_model():
 )
 def test_optimizer_state_has_exactly_its_parameters_sharding(optimizer):
     est = tiny(optimizer=optimizer, skip_nonfinite=True, **LAYOUTS["data=2,fsdp=2,model=2"])
-    state = est._ensure_state()
+    state = est.state()
     specs = dict(zip(leaf_names(state.params), (x.sharding.spec for x in jax.tree.leaves(state.params)), strict=True))
     assert any(spec != P() for spec in specs.values())
     mirrored = 0
@@ -220,7 +220,7 @@ def test_fsdp_8_holds_an_eighth_of_the_state_per_device():
         )
         x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
         est.train(ex.data.from_arrays({"x": x}, x), max_steps=2)
-        return est, per_device_bytes(est._ensure_state())
+        return est, per_device_bytes(est.state())
 
     replicated, replicated_bytes = run()
     sharded, sharded_bytes = run(mesh={"fsdp": 8})
@@ -276,7 +276,7 @@ def test_nnx_declared_shardings_are_followed_and_rules_override_them():
     row = next(r for r in est.sharding_plan() if r.path == "layers/0/kernel")
     assert (row.spec, row.placed_by) == (P(None, "model"), "nnx out_sharding")
     est.train(ex.data.from_arrays(*blobs(64)), max_steps=5)
-    assert est._ensure_state().params["layers"][0]["kernel"].get_value().sharding.spec == P(None, "model")
+    assert est.state().params["layers"][0]["kernel"].get_value().sharding.spec == P(None, "model")
     est = make(sharding_rules=[(r"layers/0/kernel", (None, None))])
     assert next(r for r in est.sharding_plan() if r.path == "layers/0/kernel").spec == P()
 
@@ -356,7 +356,7 @@ def test_nonfinite_detection_names_sharded_parameters_and_skipping_keeps_the_lay
         mlp_estimator(steps_per_loop=2, **MLP_LAYOUT).train(data, max_steps=2)
     est = mlp_estimator(steps_per_loop=2, skip_nonfinite=True, **MLP_LAYOUT)
     est.train(data, max_steps=2)
-    state = est._ensure_state()
+    state = est.state()
     assert state.params["l1"]["kernel"].get_value().sharding.spec == P("fsdp", "model")
     assert int(state.step) == 2 and np.isfinite(host_params(est)["l1/kernel"]).all()
     assert int(state.opt_state.total_notfinite) == 1
@@ -368,7 +368,7 @@ def test_a_fsdp_checkpoint_restores_bitwise_in_other_layouts_and_training_contin
     adam = dict(optimizer=optax.adam(1e-2), dropout=0.0, save_every_steps=4)
     saved = mlp_estimator(saved_dir, mesh={"fsdp": 8}, fsdp_min_bytes=0, **adam)
     saved.train(data, max_steps=4)
-    saved_state = jax.device_get(saved._ensure_state())
+    saved_state = jax.device_get(saved.state())
     saved.train(data, max_steps=8)
     continued = host_params(saved)
     tensor_parallel = {k: v for k, v in MLP_LAYOUT.items() if k != "mesh"} | {"mesh": {"data": 4, "model": 2}}
@@ -376,7 +376,7 @@ def test_a_fsdp_checkpoint_restores_bitwise_in_other_layouts_and_training_contin
         model_dir = str(tmp_path / name)
         shutil.copytree(os.path.join(saved_dir, "checkpoints", "4"), os.path.join(model_dir, "checkpoints", "4"))
         est = mlp_estimator(model_dir, **adam, **config)
-        restored = jax.device_get(est._ensure_state())
+        restored = jax.device_get(est.state())
         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved_state), strict=True):
             np.testing.assert_array_equal(a, b)  # bitwise, optimizer state and key included
         est.train(data, max_steps=8)
@@ -387,7 +387,7 @@ def test_warm_start_loads_into_the_sharded_layout(tmp_path):
     source = mlp_estimator(str(tmp_path / "source"))
     source.train(ex.data.from_arrays(*blobs(256)), max_steps=4)
     est = mlp_estimator(warm_start=ex.WarmStart(str(tmp_path / "source")), **MLP_LAYOUT)
-    state = est._ensure_state()
+    state = est.state()
     assert state.params["l1"]["kernel"].get_value().sharding.spec == P("fsdp", "model")
     expected, loaded = host_params(source), host_params(est)
     for k in expected:
@@ -441,7 +441,7 @@ def test_an_optimizer_whose_init_needs_real_parameters_is_matched_by_path_and_sh
 
     est = mlp_estimator(optimizer=optax.GradientTransformation(init, update), **MLP_LAYOUT)
     est.train(ex.data.from_arrays(*blobs(64)), max_steps=2)
-    state = est._ensure_state()
+    state = est.state()
     kernel = state.params["l1"]["kernel"].get_value().sharding.spec
     assert kernel == P("fsdp", "model")
     assert state.opt_state["trace"]["l1"]["kernel"].get_value().sharding.spec == kernel

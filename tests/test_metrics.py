@@ -185,11 +185,11 @@ def test_integer_states_are_identical_on_any_devices_and_batch_size(evaluated, n
 
 def test_segments_merged_on_the_host_equal_one_device_carry(evaluated):
     est, reference, _ = evaluated
-    est._evaluator().fold_every = 3  # 16 batches: 5 host merges and a rest
+    est._evaluator.runner.fold_every = 3  # 16 batches: 5 host merges and a rest
     try:
         states = est.evaluate_states(DATA)
     finally:
-        est._evaluator().fold_every = 256
+        est._evaluator.runner.fold_every = 256
     assert integer_leaves(states).keys() == integer_leaves(reference).keys()
     for name, leaves in integer_leaves(states).items():
         for got, expected in zip(leaves, integer_leaves(reference)[name], strict=True):

@@ -155,7 +155,7 @@ def test_keras_trains_like_nnx(nnx_run):
 
 def _stats(est):
     """Running mean and variance of the single batch norm layer, whatever the adapter."""
-    state = est._ensure_state().model_state
+    state = est.state().model_state
     leaves = [np.asarray(x) for x in jax.tree.leaves(state) if np.asarray(x).dtype == np.float32]
     return sorted(leaves, key=lambda a: float(a.mean()))
 
@@ -172,7 +172,7 @@ def test_batch_norm_state_updates_in_train_and_is_used_in_eval(nnx_batch_norm_ru
     # The statistics moved away from their initial (0, 1) in TRAIN, and EVAL uses them (not the batch's).
     mean, var = _stats(linen[3])
     assert np.abs(mean).max() > 1e-3 and np.abs(var - 1).max() > 1e-3
-    variables = {"params": linen[3]._ensure_state().params, **linen[3]._ensure_state().model_state}
+    variables = {"params": linen[3].state().params, **linen[3].state().model_state}
     expected = LinenNet(batch_norm=True).apply(variables, jnp.asarray(blobs(256)[0]["x"]), train=False)
     np.testing.assert_allclose(linen[2], expected, rtol=1e-5, atol=1e-6)
 

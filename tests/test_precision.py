@@ -53,7 +53,7 @@ def test_bfloat16_compute_keeps_float32_masters_and_a_close_loss():
 
     assert set(seen32.values()) == {jnp.dtype(jnp.float32)}
     assert set(seen16.values()) == {jnp.dtype(jnp.bfloat16)}  # the forward runs in bfloat16
-    state = est._ensure_state()
+    state = est.state()
     assert _floating_dtypes(state.params) == {"float32"}
     assert _floating_dtypes(state.opt_state) == {"float32"}
     assert _floating_dtypes(state.model_state) == {"float32"}  # batch statistics

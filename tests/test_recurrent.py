@@ -114,7 +114,7 @@ def _program_size(fn, *args) -> int:
 
 def test_program_does_not_grow_with_sequence_length():
     est = lstm.estimator(ex.RunConfig(train_batch_size=BATCH, steps_per_loop=K, loop="scan"))
-    state = est._ensure_state()
+    state = est.state()
 
     def stack(time_steps):
         features = {"x": jax.ShapeDtypeStruct((K, BATCH, time_steps, 10), jnp.float32)}

@@ -1,0 +1,105 @@
+"""Exact evaluation and prediction of one state over one input, on every device.
+
+Owns the host side of both: global batches padded and masked (every example
+counted once), prefetched to the devices, the compiled evaluation and
+prediction steps (``loop.EvalRunner``, built on first use), the progress bar,
+merging metric states into results, a ``host_metrics`` function over every
+example's outputs, and prediction rows in input order. Does not own which
+state is evaluated (``current_state.py``) nor where results are written
+(the Estimator's writers).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+
+import jax
+
+from estimax import host_metrics as host_metrics_lib
+from estimax import mesh as mesh_lib
+from estimax import metrics as metrics_lib
+from estimax import predictions as predictions_lib
+from estimax.data import feed
+from estimax.loop import EvalRunner
+from estimax.progress import EvalProgress
+
+
+class Evaluator:
+    """Evaluates and predicts for an Estimator.
+
+    ``note_features(items)``: wraps the device batches so that the first one's feature shapes are
+    remembered (for ``export``); ``quiet``: no progress bar.
+    """
+
+    def __init__(self, core, layout, note_features: Callable[[Iterator], Iterator], quiet: bool):
+        self.core, self.layout, self.note_features, self.quiet = core, layout, note_features, quiet
+        self._runner: EvalRunner | None = None
+
+    @property
+    def runner(self) -> EvalRunner:
+        if self._runner is None:
+            self._runner = EvalRunner(self.core, self.layout)
+        return self._runner
+
+    def results(
+        self, input, state, batch_size: int, *, steps=None, should_stop=None, host_metrics: Callable | None = None
+    ) -> dict[str, float] | None:
+        """The metrics of ``state`` on ``input`` (``num_examples`` last); ``None`` if ``should_stop()``
+        interrupted it."""
+        totals, rows = self.states(
+            input, state, batch_size, steps=steps, should_stop=should_stop, rows=bool(host_metrics)
+        )
+        if totals is None:
+            return None
+        results = {}
+        for name in sorted(totals, key=lambda n: n == metrics_lib.NUM_EXAMPLES):
+            results.update(metrics_lib.results(name, totals[name]))
+        if host_metrics is not None:
+            results.update(host_metrics_lib.results(host_metrics, rows.rows(), results))
+        return results
+
+    def states(self, input, state, batch_size: int, *, steps=None, should_stop=None, rows: bool = False):
+        """``(metric states by name, OutputRows or None)``; ``(None, None)`` if ``should_stop()``
+        interrupted it."""
+        mesh = self.layout.mesh
+        mesh_lib.check_batch_size("eval_batch_size", batch_size, mesh)
+        batches = feed.eval_batches(input, batch_size // jax.process_count())
+        if steps is not None:
+            batches = itertools.islice(batches, steps)
+        outputs = host_metrics_lib.OutputRows() if rows else None
+        device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
+            bar = self._bar(input, batch_size, steps)
+            try:
+                totals = self.runner.totals(state, bar.wrap(device_batches), should_stop, outputs)
+            finally:
+                bar.close()
+        if totals is None:
+            if should_stop is not None and should_stop():
+                return None, None
+            raise ValueError("Evaluation input yielded no batches; expected at least one example.")
+        return totals, outputs
+
+    def predict(self, input, state, batch_size: int, gather: bool) -> Iterator:
+        """One prediction per example, in input order (see ``Estimator.predict``)."""
+        mesh = self.layout.mesh
+        mesh_lib.check_batch_size("predict_batch_size", batch_size, mesh)
+        rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
+        batches = feed.eval_batches(input, batch_size // jax.process_count())
+        pending = None
+        device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
+        with feed.Prefetch(device_batches) as device_batches:
+            for db in device_batches:
+                predictions = self.runner.predict(state, db.batch)
+                if pending is not None:  # the host reads a batch once the next one is dispatched
+                    yield from rows(*pending)
+                pending = (predictions, db.num_valid)
+        if pending is not None:
+            yield from rows(*pending)
+
+    def _bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
+        shown = not self.quiet and jax.process_index() == 0 and sys.stderr.isatty()
+        total = -(-len(input) // batch_size) if hasattr(input, "steps_per_epoch") else None
+        return EvalProgress(min(filter(None, (total, steps)), default=None), shown)
