@@ -9,7 +9,9 @@ permutation per epoch, rows gathered per batch):
 - ``jit_scan``: one ``jax.jit`` of ``lax.scan`` over K stacked batches per call;
 - ``estimax``:  ``Estimator.train`` with ``loop="auto"`` and the same K, fed two ways:
   ``from_arrays`` (estimax gathers the rows) and a plain Python iterable of host
-  batches (the references' own generator: estimax checks and stacks them).
+  batches (the references' own generator: estimax checks and stacks them); each
+  with ``model_dir=None`` and with a model_dir (``_model_dir``: metrics.jsonl and
+  TensorBoard with every step's points, the default log interval, no checkpoints).
 
 Each contender is warmed up first (compilation excluded), then timed windows
 alternate between contenders for a few rounds; the best steps/s of each is
@@ -32,7 +34,9 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -196,8 +200,10 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
 # -- estimax ----------------------------------------------------------------------
 
 
-def estimax_runner(w: Workload, x, y, input: str) -> tuple[Callable[[int], None], ex.Estimator]:
-    """``input``: "arrays" (``from_arrays``) or "iterable" (a generator of host batches)."""
+def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tuple[Callable[[int], None], ex.Estimator]:
+    """``input``: "arrays" (``from_arrays``) or "iterable" (a generator of host batches). With a
+    ``model_dir``: the default logging (metrics.jsonl, TensorBoard with every step's points, a
+    log line every ``log_every_steps``); checkpoints off (``benchmarks/checkpoint.py`` times them)."""
 
     def model_fn(model, features, labels, mode, params):
         outputs = model(features["x"])
@@ -205,8 +211,13 @@ def estimax_runner(w: Workload, x, y, input: str) -> tuple[Callable[[int], None]
             return ex.Spec(predictions={"y": outputs})
         return ex.Spec(loss=w.loss(outputs, labels))
 
+    logging_settings = (
+        dict(log_every_steps=10**9)
+        if model_dir is None
+        else dict(checkpoint=ex.CheckpointPolicy(every_steps=None), tensorboard=True)
+    )
     config = ex.RunConfig(
-        model_dir=None, train_batch_size=w.batch, steps_per_loop=w.k, loop="auto", log_every_steps=10**9
+        model_dir=model_dir, train_batch_size=w.batch, steps_per_loop=w.k, loop="auto", **logging_settings
     )
     est = ex.Estimator(
         model=lambda rngs, params: w.build(rngs), model_fn=model_fn, optimizer=optax.sgd(w.lr), config=config
@@ -219,7 +230,7 @@ def estimax_runner(w: Workload, x, y, input: str) -> tuple[Callable[[int], None]
 
     def run(steps: int):
         est.train(data, steps=steps)
-        jax.block_until_ready(est._state)
+        jax.block_until_ready(est.state())
 
     return run, est
 
@@ -233,9 +244,13 @@ def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def benchmark(w: Workload, rounds: int) -> dict:
+def benchmark(w: Workload, rounds: int, model_dirs: str) -> dict:
     x, y = w.data()
-    estimators = {input: estimax_runner(w, x, y, input) for input in ("arrays", "iterable")}
+    estimators = {
+        f"{input}{suffix}": estimax_runner(w, x, y, input, model_dir)
+        for input in ("arrays", "iterable")
+        for suffix, model_dir in (("", None), ("_model_dir", os.path.join(model_dirs, f"{w.name}-{input}")))
+    }
     contenders = {  # name: (run, warm-up steps, timed steps)
         "jit_step": (jit_step_runner(w, x, y), 2 * w.k, w.steps),
         "jit_scan": (jit_scan_runner(w, x, y), w.k, w.scan_steps or w.steps),
@@ -272,9 +287,10 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown workloads {unknown}; expected some of {sorted(WORKLOADS)}")
     start = time.perf_counter()
-    for name in names:
-        w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
-        print(json.dumps(benchmark(w, 1 if args.quick else args.rounds)), flush=True)
+    with tempfile.TemporaryDirectory() as model_dirs:
+        for name in names:
+            w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
+            print(json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs)), flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 

@@ -258,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Mistakes in a task, its input or the settings, and estimax's own error classes (no traceback)."""
-    errors = [ValueError, TypeError, FileNotFoundError, ImportError]
+    from estimax.errors import EstimaxError  # imports nothing heavy
+
+    errors = [EstimaxError, ValueError, TypeError, FileNotFoundError, ImportError]
     for module, name in (
         ("estimax.training", "NonFiniteError"),
         ("estimax.distributed", "SyncTimeout"),

@@ -76,8 +76,8 @@ class RunConfig:
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
       checkpoint: when checkpoints are saved and kept (``CheckpointPolicy``).
-      tensorboard: write TensorBoard event files to ``<model_dir>/tensorboard``;
-        ``None`` (default): when tensorboardX is installed.
+      tensorboard: write TensorBoard event files to ``<model_dir>/tensorboard``
+        (every step's scalars; no extra library: TensorBoard itself only views them).
       quiet: no progress bar and no train log lines (warnings, evaluations and
         files still appear).
       profile_steps: ``(A, B)``: write a ``jax.profiler`` trace of the loops
@@ -128,7 +128,7 @@ class RunConfig:
     seed: int = 0
     log_every_steps: int = 100
     checkpoint: CheckpointPolicy = CheckpointPolicy()
-    tensorboard: bool | None = None
+    tensorboard: bool = True
     quiet: bool = False
     profile_steps: tuple[int, int] | None = None
     skip_nonfinite: bool = False

@@ -30,3 +30,7 @@ class StorageError(EstimaxError, OSError):
 
 class DistributedError(EstimaxError, RuntimeError):
     """The process group cannot be formed or a peer is missing."""
+
+
+class WriterError(EstimaxError, OSError):
+    """A metrics, TensorBoard or tracker writer failed or stalled (a full disk, an unreachable server)."""

@@ -264,10 +264,11 @@ class Estimator:
             self._train_runner = TrainRunner(self._core, self.layout, cfg.loop, cfg.steps_per_loop)
         if self._current.loop_mode is not None:
             self._train_runner.resume(self._current.loop_mode, start)
+        hooks = self._hooks(hooks)
         loop = TrainingLoop(
             self._train_runner,
             self.run_dir.checkpoints,
-            self._hooks(hooks),
+            hooks,
             self._param_names,
             skip_nonfinite=cfg.skip_nonfinite,
             profiler=Profiler(cfg.profile_steps, self.run_dir.profile_dir),
@@ -281,7 +282,11 @@ class Estimator:
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, self.run_dir.url)
         chunks = self._features.wrap(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size), stacked=True)
         with feed.Prefetch(chunks) as chunks:
-            loop.run(state, info, chunks, self._current.publish, evaluation)
+            try:
+                loop.run(state, info, chunks, self._current.publish, evaluation)
+            except BaseException:
+                hooks[0].close(raise_errors=False)  # the metric logger's files: the error in flight goes on
+                raise
         if self._current.step < target and not loop.stopped:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
         return loop

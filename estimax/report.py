@@ -67,10 +67,8 @@ class MetricLogger(Hook):
                 finite = np.isfinite(values)
                 self._sums[name] = self._sums.get(name, 0.0) + float(np.sum(values[finite], dtype=np.float64))
                 self._counts[name] = self._counts.get(name, 0) + int(finite.sum())
-        for i in range(loop.num_steps if self.step_writers else 0):
-            # A sampled output is NaN at the steps it was not measured on: no point, not a NaN point.
-            point = {k: float(v[i]) for k, v in scalars.items() if k not in SAMPLED or np.isfinite(v[i])}
-            self._write(self.step_writers, "train", loop.step_before + i + 1, point)
+        for writer in self.step_writers:  # the loop's points in one call: encoded off the training thread
+            writer.write_steps("train", loop.step_before + 1, scalars, SAMPLED)
         self._steps += loop.num_steps
         if loop.seconds is not None:
             self._timed_steps += loop.num_steps
@@ -98,8 +96,23 @@ class MetricLogger(Hook):
     def end(self, summary: Summary) -> None:
         values = {f"{name}_seconds": seconds for name, seconds in summary.seconds.items()}
         self._write(self.writers + self.step_writers, "summary", summary.step, {**values, **summary.metrics})
-        for writer in self.writers + self.step_writers:
-            writer.close()
+        self.close()
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Closes every writer (once; ``end`` does): the file writers write what they hold. With
+        ``raise_errors`` false (training failed: that error is the one to report) a writer's own
+        failure is logged instead."""
+        writers, self.writers, self.step_writers = self.writers + self.step_writers, [], []
+        failures = []
+        for writer in writers:
+            try:
+                writer.close()
+            except Exception as error:  # every writer gets closed; the first failure is raised
+                failures.append(error)
+                if not raise_errors:
+                    logger.warning("%s", error)
+        if failures and raise_errors:
+            raise failures[0]
 
     @staticmethod
     def _write(writers: list[Writer], split: str, step: int, values: dict) -> None:

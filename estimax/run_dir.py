@@ -22,7 +22,6 @@ holds (``checkpoint.py``) nor what a record says (``report.py``).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 
 import jax
@@ -87,14 +86,14 @@ class RunDir:
             self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
         )
 
-    def file_writers(self, tensorboard: bool | None) -> list:
-        """``metrics.jsonl`` and, with ``tensorboard`` (``None``: when tensorboardX is installed), the
-        event files."""
+    def file_writers(self, tensorboard: bool) -> list:
+        """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own."""
+        from estimax.writer_thread import InBackground
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
-        writers: list = [JsonlWriter(self.path(METRICS))]
-        if tensorboard or (tensorboard is None and importlib.util.find_spec("tensorboardX")):
-            writers.append(TensorBoardWriter(self.path(TENSORBOARD)))
+        writers: list = [InBackground(JsonlWriter(self.path(METRICS)), self.path(METRICS))]
+        if tensorboard:
+            writers.append(InBackground(TensorBoardWriter(self.path(TENSORBOARD)), self.path(TENSORBOARD)))
         return writers
 
     @contextlib.contextmanager
@@ -199,7 +198,7 @@ class NoRunDir:
     def best(self, metric: str, direction: str) -> None:
         return None
 
-    def file_writers(self, tensorboard: bool | None) -> list:
+    def file_writers(self, tensorboard: bool) -> list:
         return []
 
     @contextlib.contextmanager

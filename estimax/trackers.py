@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from estimax import storage
+from estimax.errors import WriterError
 
 logger = logging.getLogger("estimax")
 
@@ -56,6 +57,13 @@ class MLflow:
 
 
 TRACKERS = {"mlflow": MLflow}
+
+# How long MLflow's client waits for a tracking server: 2 retries, 10 s each, 1 s backoff factor.
+SERVER_PATIENCE = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+}
 
 
 def resolve(trackers: Sequence) -> tuple:
@@ -109,8 +117,10 @@ def writers(config, params: Mapping, run_ids: dict, run_dir) -> list:
     ``run_dir``: the run's ``RunDir`` (or ``NoRunDir``)."""
     if not config.trackers:
         return []
+    from estimax.writer_thread import InBackground
+
     run = RunContext(run_dir.name, run_parameters(config, params), run_ids, run_dir.trackers_file)
-    return [tracker.writer(run) for tracker in config.trackers]
+    return [InBackground(tracker.writer(run), repr(tracker)) for tracker in config.trackers]
 
 
 def run_parameters(config, params: Mapping) -> dict:
@@ -143,7 +153,22 @@ class MLflowWriter:
         if uri and "://" not in uri and not uri.startswith("databricks"):  # a local directory
             os.makedirs(uri, exist_ok=True)
             uri = f"sqlite:///{os.path.abspath(os.path.join(uri, 'mlflow.db'))}"
+        if uri and uri.startswith(("http://", "https://")):
+            # MLflow's defaults retry an unreachable server for about 4 minutes (7 retries, a 120 s
+            # timeout each); a few seconds tell as much. Settings of the user's own win.
+            for name, value in SERVER_PATIENCE.items():
+                os.environ.setdefault(name, value)
         self.client = MlflowClient(tracking_uri=uri)
+        try:
+            self._start(settings, run)
+        except Exception as error:
+            raise WriterError(
+                f"MLflow at {uri or 'its default tracking URI'} did not start a run: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}. Fix: start the tracking server or correct "
+                "MLflow(tracking_uri=...), or leave MLflow out of RunConfig(trackers=...)."
+            ) from error
+
+    def _start(self, settings: MLflow, run: RunContext) -> None:
         self.run_id = run.run_id("mlflow")
         if self.run_id is not None and self._exists(self.run_id):
             self.client.update_run(self.run_id, status="RUNNING")

@@ -1,17 +1,25 @@
 """Where metrics go: ``metrics.jsonl``, TensorBoard event files and the console.
 
 A writer takes ``(split, step, values)`` with host floats and owns one
-destination. Owns no aggregation (``report.py`` decides what and when).
+destination; one that wants every step's points (``every_step``) also takes a
+loop's per-step columns in one ``write_steps`` call. Files go to a local disk
+or an object store (``gs://``, ``s3://``): a store cannot append, so there a
+writer keeps what it wrote and uploads whole objects at its flush points.
+Owns no aggregation (``report.py`` decides what and when) and no thread
+(``writer_thread.py`` keeps the file writers off the training thread).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+import numpy as np
+
+from estimax import events, storage
 
 logger = logging.getLogger("estimax")
 
@@ -23,60 +31,105 @@ class Writer(Protocol):
 
 
 class JsonlWriter:
-    """Appends ``{"split": ..., "step": ..., **values}`` to a file, one JSON object per line."""
+    """``{"split": ..., "step": ..., **values}``, one JSON object per line of ``metrics.jsonl``.
+
+    On disk every record is appended and flushed at once. On an object store the
+    object is rewritten whole (it cannot be appended to): at every evaluation and
+    summary, at most every ``STORE_FLUSH_SECONDS`` for train records, and at
+    ``close``; a new writer continues the object a previous run left.
+    """
+
+    STORE_FLUSH_SECONDS = 10.0
 
     def __init__(self, path: str):
         self.path = path
+        self._on_store = storage.is_url(path)
+        self._lines: list[str] | None = None  # on a store: the object's records, then this run's
+        self._unflushed = False
+        self._flushed = time.monotonic()
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"split": split, "step": step, **values}) + "\n")
+        line = json.dumps({"split": split, "step": step, **values}) + "\n"
+        if not self._on_store:
+            storage.makedirs(storage.parent(self.path))
+            with open(self.path, "a") as f:
+                f.write(line)
+            return
+        if self._lines is None:
+            self._lines = [storage.read_bytes(self.path).decode()] if storage.exists(self.path) else []
+        self._lines.append(line)
+        self._unflushed = True
+        if split != "train" or time.monotonic() - self._flushed > self.STORE_FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._unflushed:
+            storage.write_bytes(self.path, "".join(self._lines or []).encode())
+            self._unflushed, self._flushed = False, time.monotonic()
 
     def close(self) -> None:
-        pass
+        self.flush()
 
 
 class TensorBoardWriter:
-    """Scalars in ``<logdir>/<split>/`` event files (tensorboardX), one run per split,
-    so that train and eval curves of the same name overlay in TensorBoard.
+    """Scalars in ``<logdir>/<split>/`` event files, one run per split, so that train and eval
+    curves of the same name overlay in TensorBoard.
 
-    ``every_step``: the training report sends it every step's scalar outputs
-    (they are on the host already), not one window mean per log line.
+    ``every_step``: the training report sends every step's scalar outputs in one
+    ``write_steps`` call per loop, not one window mean per log line. Events are
+    encoded directly (``events.py``) and buffered: on disk appended to one file
+    per split every ``FLUSH_SECONDS``, on an object store uploaded as a new
+    event file every ``STORE_FLUSH_SECONDS`` (TensorBoard reads the files of a
+    run in name order); evaluations and the summary are flushed at once.
     """
 
     every_step = True
-    FLUSH_SECONDS = 2.0  # every step is written: flush on a clock, not per write
+    FLUSH_SECONDS = 2.0
+    STORE_FLUSH_SECONDS = 30.0
 
     def __init__(self, logdir: str):
-        try:
-            from tensorboardX import FileWriter
-            from tensorboardX.proto.summary_pb2 import Summary
-        except ImportError:
-            raise ImportError(
-                "TensorBoard logging needs tensorboardX, which is not installed. "
-                "Fix: pip install 'estimax[tensorboard]', or RunConfig(tensorboard=False)."
-            ) from None
-        self._file_writer, self._summary = FileWriter, Summary
         self.logdir = logdir
-        self._writers: dict = {}
-        self._flushed = 0.0
+        self._on_store = storage.is_url(logdir)
+        self._encoder = events.ScalarEncoder()
+        self._pending: dict[str, list[bytes]] = {}
+        self._files: dict[str, str] = {}  # on disk: the event file of each split
+        self._flushed = time.monotonic()
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
-        if split not in self._writers:
-            self._writers[split] = self._file_writer(os.path.join(self.logdir, split), flush_secs=10)
-        writer = self._writers[split]
-        # One event per step with every value: a fraction of the cost of an event per scalar.
-        summary = self._summary(value=[self._summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()])
-        writer.add_summary(summary, step)
-        if split != "train" or time.monotonic() - self._flushed > self.FLUSH_SECONDS:
-            writer.flush()
-            self._flushed = time.monotonic()
+        self._pending.setdefault(split, []).append(self._encoder.event(step, values, time.time()))
+        self._flush_if_due(split)
+
+    def write_steps(
+        self, split: str, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str] = ()
+    ) -> None:
+        """One point per step from ``first_step``; a ``sampled`` column has no point where it is NaN."""
+        self._pending.setdefault(split, []).append(self._encoder.steps(first_step, columns, sampled))
+        self._flush_if_due(split)
+
+    def _flush_if_due(self, split: str) -> None:
+        every = self.STORE_FLUSH_SECONDS if self._on_store else self.FLUSH_SECONDS
+        if split != "train" or time.monotonic() - self._flushed > every:
+            self.flush()
+
+    def flush(self) -> None:
+        for split, records in self._pending.items():
+            if not records:
+                continue
+            data = b"".join(records)
+            if self._on_store:
+                storage.write_bytes(storage.join(self.logdir, split, events.file_name()), events.file_version() + data)
+            else:
+                if split not in self._files:
+                    self._files[split] = storage.join(self.logdir, split, events.file_name())
+                    storage.makedirs(storage.parent(self._files[split]))
+                    data = events.file_version() + data
+                with open(self._files[split], "ab") as f:
+                    f.write(data)
+            records.clear()
+        self._flushed = time.monotonic()
 
     def close(self) -> None:
-        for writer in self._writers.values():
-            writer.close()
-        self._writers = {}
+        self.flush()
 
 
 class ConsoleWriter:

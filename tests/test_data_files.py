@@ -6,6 +6,7 @@ import json
 import struct
 
 import fsspec
+import google_crc32c
 import numpy as np
 import pytest
 
@@ -106,7 +107,7 @@ def test_cli_trains_the_cnn_on_mnist_idx_files(tmp_path, capsys):
 
 
 def test_crc32c_and_record_framing_match_the_format():
-    assert tfrecord.google_crc32c.value(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert google_crc32c.value(b"123456789") == 0xE3069283  # the CRC-32C check value
     example = tfrecord.Example()
     example.features.feature["a"].int64_list.value.append(1)
     # Example{features{feature{key:"a" value{int64_list{value:1}}}}} by hand, field by field.

@@ -64,18 +64,31 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     monkeypatch.chdir(tmp_path)
     url = "gs://bkt/e2e"
     policy = ex.CheckpointPolicy(every_steps=8)
-    estimator(url, checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=16)
+    estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
+        ex.data.from_arrays(*DATA), max_steps=16
+    )
     names = bucket_names(url)
     assert any(n.startswith("checkpoints/8/") for n in names) and any(n.startswith("checkpoints/16/") for n in names)
     assert "estimax.lock" not in names  # released at the end
     assert not os.path.exists(tmp_path / "gs:")  # nothing local named after the URL
 
     # A new process's view: resumes from the bucket and continues exactly as an uninterrupted run.
-    resumed = estimator(url, checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
+    resumed = estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
+    resumed.train(ex.data.from_arrays(*DATA), max_steps=32)
     local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
     a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+    # The records of both runs, in one object that fsspec reads; every step's point in TensorBoard.
+    with fsspec.open(f"{url}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if r["split"] == "train"] == [8, 16, 24, 32]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{url}/tensorboard/train", size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
 
     reader = estimator(url)
     assert reader.step == 32

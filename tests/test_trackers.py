@@ -9,6 +9,7 @@ from models import blobs, estimator
 
 import estimax as ex
 from estimax import trackers
+from estimax.errors import WriterError
 
 
 def test_mlflow_run_holds_the_records_of_metrics_jsonl(tmp_path):
@@ -60,3 +61,16 @@ def test_tracker_settings_are_checked():
     else:
         with pytest.raises(ImportError, match=r"Fix: pip install 'estimax\[mlflow\]'"):
             ex.RunConfig(trackers=("mlflow",))
+
+
+def test_an_unreachable_tracking_server_is_one_error_naming_it(tmp_path):
+    pytest.importorskip("mlflow")
+    import socket
+
+    with socket.socket() as closed:  # a port of 127.0.0.1 that nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    est = estimator(str(tmp_path / "run"), trackers=(trackers.MLflow(tracking_uri=uri),))
+    # MLflow's own defaults retry for about 4 minutes; estimax's settings give up after two retries.
+    with pytest.raises(WriterError, match=f"MLflow at {uri} did not start a run: .*Fix: start the tracking"):
+        est.train(ex.data.from_arrays(*blobs(64)), max_steps=4)

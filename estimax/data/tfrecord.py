@@ -16,13 +16,13 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import google_crc32c
 import grain
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from estimax.data import files as files_lib
 from estimax.data.grain import MapSource
+from estimax.records import frame, masked_crc
 
 
 def _example_class():
@@ -62,11 +62,6 @@ def _example_class():
 
 
 Example = _example_class()
-
-
-def masked_crc(data: bytes) -> int:
-    crc = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 # -- records -----------------------------------------------------------------
@@ -155,9 +150,7 @@ def write(path: str | os.PathLike, examples: Iterable[Mapping[str, Any]]) -> Non
                     feature.float_list.value.extend(value.tolist())
                 else:
                     feature.int64_list.value.extend(value.astype(np.int64).tolist())
-            data = example.SerializeToString()
-            length = struct.pack("<Q", len(data))
-            f.write(length + struct.pack("<I", masked_crc(length)) + data + struct.pack("<I", masked_crc(data)))
+            f.write(frame(example.SerializeToString()))
 
 
 # -- examples ----------------------------------------------------------------

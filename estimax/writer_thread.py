@@ -1,0 +1,111 @@
+"""Writers off the training thread: each file or tracker writer runs on a thread of its own.
+
+Training hands a writer its records through a bounded queue and goes on: a
+slow disk, a bucket or a tracker's server costs the device no time, and a
+full disk or a dead server never blocks training. A writer that fails stops
+taking records; the next record handed to it (or ``close``) raises a
+``WriterError`` naming the writer, where it writes, and the cause, so that
+training saves the checkpoint due and stops with one line. Every wait here
+is bounded: a full queue for ``PUT_TIMEOUT`` seconds, the last records at
+``close`` for ``CLOSE_TIMEOUT``. Owns the thread and the queue; does not own
+what a writer writes (``writers.py``, ``trackers.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from estimax.errors import WriterError
+
+logger = logging.getLogger("estimax")
+
+_CLOSE = object()
+
+
+class InBackground:
+    """``writer`` behind a queue of at most ``max_pending`` calls, run on its own daemon thread."""
+
+    PUT_TIMEOUT = 60.0
+    CLOSE_TIMEOUT = 120.0
+
+    def __init__(self, writer, where: str, max_pending: int = 1024):
+        self.writer, self.where = writer, where
+        self.every_step = getattr(writer, "every_step", False)
+        self._queue: queue.Queue = queue.Queue(max_pending)
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"estimax {type(writer).__name__}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"InBackground({type(self.writer).__name__}, {self.where!r})"
+
+    def write(self, split: str, step: int, values) -> None:
+        self._put((self.writer.write, (split, step, dict(values))))
+
+    def write_steps(self, split: str, first_step: int, columns, sampled=()) -> None:
+        self._put((self.writer.write_steps, (split, first_step, columns, sampled)))
+
+    def _put(self, call) -> None:
+        self._raise_if_failed()
+        try:
+            self._queue.put(call, timeout=self.PUT_TIMEOUT)
+        except queue.Full:
+            raise WriterError(
+                f"{type(self.writer).__name__} to {self.where} did not keep up: {self._queue.qsize()} records "
+                f"waited {self.PUT_TIMEOUT:.0f} s. Expected a writable location that answers. Fix: check that "
+                "location (a stalled mount or server), log less often (log_every_steps), or turn the writer off."
+            ) from None
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSE:
+                break
+            if self._error is not None:
+                continue  # failed: the records left are dropped; the error is raised in training
+            function, args = item
+            try:
+                function(*args)
+            except BaseException as error:  # noqa: BLE001 - handed to the training thread
+                self._error = error
+        if self._error is None:
+            try:
+                self.writer.close()
+            except BaseException as error:  # noqa: BLE001
+                self._error = error
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._failure() from self._error
+
+    def _failure(self) -> WriterError:
+        return WriterError(
+            f"{type(self.writer).__name__} to {self.where} failed: {type(self._error).__name__}: {self._error}. "
+            "Fix: free space or fix access there, or turn this writer off (RunConfig(tensorboard=False), "
+            "trackers=())."
+        )
+
+    def close(self) -> None:
+        """Writes the records left (waiting at most ``CLOSE_TIMEOUT``), closes the writer, and raises
+        its error, once."""
+        if not self._closed:
+            self._closed = True
+            try:
+                self._queue.put(_CLOSE, timeout=self.CLOSE_TIMEOUT)
+                self._thread.join(self.CLOSE_TIMEOUT)
+            except queue.Full:
+                pass
+            if self._thread.is_alive():
+                logger.warning(
+                    "%s to %s: %d records were not written within %.0f s.",
+                    type(self.writer).__name__,
+                    self.where,
+                    self._queue.qsize(),
+                    self.CLOSE_TIMEOUT,
+                )
+        if self._error is not None:
+            failure, cause, self._error = self._failure(), self._error, None
+            raise failure from cause
