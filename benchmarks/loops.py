@@ -120,8 +120,8 @@ class Workload:
 
 
 WORKLOADS = {
-    "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, lr=0.01, k=50, steps=10000),
-    "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, lr=0.001, k=50, steps=3000),
+    "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, lr=0.01, k=50, steps=30000),
+    "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, lr=0.001, k=50, steps=9000),
     "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=14, steps=42, scan_steps=14),
 }
 

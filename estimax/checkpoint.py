@@ -36,13 +36,9 @@ import orbax.checkpoint as ocp
 
 from estimax import noise, storage
 from estimax.config import CheckpointPolicy
-from estimax.errors import EstimaxError
+from estimax.errors import CheckpointError
 
 logger = logging.getLogger("estimax")
-
-
-class CheckpointError(EstimaxError, ValueError):
-    """No usable checkpoint where one was asked for."""
 
 
 class Checkpointer:
@@ -253,11 +249,14 @@ class Checkpointer:
             good = []
             with contextlib.suppress(OSError):  # the finished step directories (not the temporary ones)
                 good = sorted(int(n) for n in storage.listdir(self.directory) if n.isdigit())
-            last = f"step {good[-1]} ({storage.join(self.directory, str(good[-1]))})" if good else "none"
+            last = (
+                f"the last good checkpoint is step {good[-1]} ({storage.join(self.directory, str(good[-1]))})"
+                if good
+                else "no checkpoint was written yet"
+            )
             raise CheckpointError(
-                f"A checkpoint save in {self.directory} failed: {reason}; the last "
-                f"good checkpoint is {last}. Fix: free space there (or raise the quota), then run the same "
-                "command again to resume from it."
+                f"A checkpoint save in {self.directory} failed: {reason}; {last}. Fix: free space there (or raise "
+                "the quota), then run the same command again" + (" to resume from it." if good else ".")
             ) from None
 
     def _restore_verified(self, abstract_state, step: int):

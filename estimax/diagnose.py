@@ -14,9 +14,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-
-class ModelFnError(ValueError):
-    """The model_fn failed on the input it received."""
+from estimax.errors import ModelFnError
 
 
 def model_fn_error(error: Exception, features, labels, mode) -> ModelFnError | None:

@@ -24,6 +24,14 @@ class InputError(EstimaxError, ValueError):
     """An input source or batch that does not fit (shapes, sizes, corrupt records)."""
 
 
+class ModelFnError(EstimaxError, ValueError):
+    """The model_fn failed on the input it received."""
+
+
+class CheckpointError(EstimaxError, ValueError):
+    """No usable checkpoint where one was asked for, or a save that failed."""
+
+
 class StorageError(EstimaxError, OSError):
     """A path or URL that cannot be used: missing client library, credentials, bucket, permission."""
 
