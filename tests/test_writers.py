@@ -160,6 +160,7 @@ def test_sigterm_on_a_full_disk_ends_the_process(small_disk):
     _fill(small_disk)
     process.send_signal(signal.SIGTERM)
     out = process.communicate(timeout=300)[0]
-    # Saved and stopped for requeue, or the one line saying what the full disk stopped.
-    assert process.returncode == 75 or (process.returncode == 2 and "estimax: error: " in out), out
-    assert "Traceback" not in out
+    # Saved and stopped for requeue, or the one line saying what the full disk stopped (Orbax's own
+    # thread may log the failed write of its save before it).
+    last = out.strip().splitlines()[-1]
+    assert process.returncode == 75 or (process.returncode == 2 and last.startswith("estimax: error: ")), out
