@@ -116,6 +116,9 @@ RUN_FLAGS = (
     RunFlag("--grad-accum", "grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN),
     RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
+    RunFlag(
+        "--tokens-per-example", "tokens_per_example", "sequence length: adds tokens/s", {"type": positive_int}, TRAIN
+    ),
     RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
 )
 

@@ -114,6 +114,8 @@ class RunConfig:
         processes (JAX's persistent compilation cache, process-wide; see
         ``estimax.compile_cache``); ``None`` (default): not kept. The ``estimax``
         command uses ``~/.cache/estimax/jax``.
+      tokens_per_example: the tokens in one example of a sequence model (its
+        sequence length): train lines then carry ``tokens_per_sec``.
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
@@ -141,6 +143,7 @@ class RunConfig:
     grad_accum_steps: int = 1
     trackers: tuple = ()
     compilation_cache: str | os.PathLike | None = None
+    tokens_per_example: int | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -163,7 +166,7 @@ class RunConfig:
             raise ValueError(
                 f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."
             )
-        for name in ("eval_batch_size", "predict_batch_size", "num_devices"):
+        for name in ("eval_batch_size", "predict_batch_size", "num_devices", "tokens_per_example"):
             if getattr(self, name) is not None:
                 _check_positive("RunConfig", name, getattr(self, name))
         if self.profile_steps is not None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, compile_cache, report, run_record, trackers, validation
+from estimax import accumulation, compile_cache, flops, report, run_record, trackers, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
 from estimax import host_metrics as host_metrics_lib
@@ -294,7 +294,15 @@ class Estimator:
     def _hooks(self, extra: Sequence[Hook] = ()) -> list[Hook]:
         """The built-in hooks (metric logging, progress bar) and the user's."""
         cfg = self.config
-        hooks: list[Hook] = [MetricLogger(self._writers(), cfg.log_every_steps, cfg.train_batch_size)]
+        logger_hook = MetricLogger(
+            self._writers(),
+            cfg.log_every_steps,
+            cfg.train_batch_size,
+            num_devices=self.mesh.size,
+            peak_tflops=flops.device_peak(cfg.compute_dtype),
+            tokens_per_example=cfg.tokens_per_example,
+        )
+        hooks: list[Hook] = [logger_hook]
         if not cfg.quiet and jax.process_index() == 0 and sys.stderr.isatty():
             hooks.append(ProgressBar(cfg.train_batch_size))
         return hooks + list(extra)

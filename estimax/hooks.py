@@ -39,7 +39,8 @@ class LoopRecord:
     of shape ``(num_steps,)``, and the states of mergeable metrics
     (``estimax.metrics``) whose leaves have that leading axis. ``seconds`` is the wall time since the previous
     loop finished (``None`` for the first loop, which includes compilation),
-    ``input_wait_seconds`` how much of it the host waited for input.
+    ``input_wait_seconds`` how much of it the host waited for input,
+    ``flops_per_step`` the model FLOPs of one step of the global batch.
     """
 
     step_before: int
@@ -48,6 +49,7 @@ class LoopRecord:
     seconds: float | None
     input_wait_seconds: float
     final: bool = False
+    flops_per_step: float | None = None  # the compiler's count of one step (``flops.py``), if known
 
     @property
     def num_steps(self) -> int:

@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 
+from estimax import flops
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 from estimax.step import eval_states_of
@@ -50,8 +51,11 @@ class TrainRunner:
         )
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
         self._steps_per_loop = steps_per_loop
+        self._micro_batches = core.grad_accum_steps
         self.mode = loop
         self.compile_seconds = 0.0  # time spent in calls that compiled (tracing included)
+        self.flops_per_step: float | None = None  # the compiler's count, once the first chunk is seen
+        self._counted = False
 
     def _timed(self, compiled, *args):
         """``compiled(*args)``, adding the call's time to ``compile_seconds`` when it compiled.
@@ -72,6 +76,10 @@ class TrainRunner:
             logger.info("loop=auto: using %s, the mode the checkpoint of step %d was trained with", mode, step)
 
     def run(self, state, chunk: DeviceChunk):
+        if not self._counted:  # lowered once more (not compiled): one estimate per run
+            self._counted = True
+            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk.stack)
+            self.flops_per_step = flops.step_flops(self.step, state, batch, micro_batches=self._micro_batches)
         if self.mode == "auto":
             self.mode, reason = self._choose(state, chunk)
             logger.info("loop=auto: using %s: %s", self.mode, reason)

@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from estimax import flops as flops_lib
 from estimax import metrics as metrics_lib
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.writers import Writer
@@ -36,14 +37,27 @@ class MetricLogger(Hook):
     the window's examples, never a mean of per-step AUCs.
 
     Throughput is timed between loops: the first one (compilation) and the
-    last one are not timed, so a line that covers only those has none.
+    last one are not timed, so a line that covers only those has none. With
+    it come the model's achieved ``tflops_per_device`` (the compiler's FLOPs
+    of a step), ``mfu`` where the device's peak is known (``flops.py``), and
+    ``tokens_per_sec`` where ``tokens_per_example`` is declared.
     """
 
-    def __init__(self, writers: list[Writer], log_every_steps: int, global_batch_size: int):
+    def __init__(
+        self,
+        writers: list[Writer],
+        log_every_steps: int,
+        global_batch_size: int,
+        *,
+        num_devices: int = 1,
+        peak_tflops: float | None = None,
+        tokens_per_example: int | None = None,
+    ):
         self.writers = [w for w in writers if not getattr(w, "every_step", False)]
         self.step_writers = [w for w in writers if getattr(w, "every_step", False)]
         self.log_every_steps = log_every_steps
         self.global_batch_size = global_batch_size
+        self.num_devices, self.peak_tflops, self.tokens_per_example = num_devices, peak_tflops, tokens_per_example
         self._reset()
 
     def _reset(self) -> None:
@@ -84,6 +98,12 @@ class MetricLogger(Hook):
         if self._timed_steps:
             steps_per_sec = self._timed_steps / max(self._timed_seconds, 1e-9)
             window.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
+            if self.tokens_per_example:
+                window["tokens_per_sec"] = window["examples_per_sec"] * self.tokens_per_example
+            if loop.flops_per_step:
+                window.update(
+                    flops_lib.achieved(loop.flops_per_step, steps_per_sec, self.num_devices, self.peak_tflops)
+                )
             window["input_wait_fraction"] = min(self._wait / max(self._wall, 1e-9), 1.0)
         self._write(self.writers, "train", loop.step_after, {**means, **window})
         if window:

@@ -21,6 +21,8 @@ and optionally:
   flag name (``{"batch_size": 128, "max_steps": 400, "loop": "scan"}``).
 - ``SHARDING_RULES``: ``(regex, spec)`` rules (``RunConfig(sharding_rules=...)``)
   that apply when the run's mesh has every axis they name and no rules were given.
+- ``run_config(config, params) -> RunConfig``: run settings that follow the
+  params (the LM's ``tokens_per_example`` is its ``seq_len``).
 
 Owns loading a task, checking it against the convention, typing ``--set``
 overrides from the defaults and building the ``Estimator``. Owns no argument
@@ -80,11 +82,14 @@ class Task:
         """The ``Estimator`` of this task under ``config`` (a ``RunConfig``)."""
         from estimax.estimator import Estimator
 
+        config = with_task_rules(config, getattr(self.module, "SHARDING_RULES", None))
+        if hasattr(self.module, "run_config"):
+            config = self.module.run_config(config, dict(self.params))
         return Estimator(
             model=self.module.model,
             model_fn=self.module.model_fn,
             optimizer=self.optimizer(),
-            config=with_task_rules(config, getattr(self.module, "SHARDING_RULES", None)),
+            config=config,
             params=dict(self.params),
         )
 

@@ -176,7 +176,15 @@ class TrainingLoop:
         # comparable, so not timed; the read after an untimed one starts a new interval.
         seconds = None if (self._last_read is None or final or untimed) else now - self._last_read - self._paused
         wait, self._wait_mark = chunks.wait_seconds - self._wait_mark, chunks.wait_seconds
-        record = LoopRecord(loop.step_before, loop.step_after, outputs, seconds, wait if seconds else 0.0, final)
+        record = LoopRecord(
+            loop.step_before,
+            loop.step_after,
+            outputs,
+            seconds,
+            wait if seconds else 0.0,
+            final,
+            self.runner.flops_per_step,
+        )
         self._last_read, self._paused = (None if untimed else now), 0.0
         return any([bool(hook.after_loop(record)) for hook in self.hooks])
 

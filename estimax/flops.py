@@ -1,0 +1,74 @@
+"""Model FLOP/s and MFU: what a training step costs by the compiler's count, against the device's peak.
+
+The FLOPs of one training step come from XLA's cost analysis of the lowered
+step (before compilation: nothing is compiled twice), for the whole global
+batch; a loop inside the step (gradient accumulation's micro-batches) is
+counted once by XLA, so its count is multiplied by the micro-batches. The
+achieved rate per device is that count times the steps per second over the
+number of devices; MFU divides it by the device's dense peak for the compute
+dtype, from ``PEAKS``. Owns the count, the table and the arithmetic; does not
+own when they are logged (``report.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+logger = logging.getLogger("estimax")
+
+# Dense peak TFLOP/s per device (never the "with sparsity" figures, which are twice these), for
+# bfloat16/float16 and for float32 matmuls as JAX runs them by default (TF32 on NVIDIA GPUs since
+# Ampere; bfloat16 passes on TPUs). Matched in order against jax.Device.device_kind.
+PEAKS: tuple[tuple[str, float, float], ...] = (
+    # https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: 989 bf16, 494 TF32 dense)
+    ("H200", 989.0, 494.5),
+    # https://www.nvidia.com/en-us/data-center/h100/ (H100 PCIe: 756 bf16, 378 TF32 dense)
+    ("H100 PCIe", 756.0, 378.0),
+    # same page (H100 SXM: 989 bf16, 494 TF32 dense; 1,979 is with sparsity)
+    ("H100", 989.0, 494.5),
+    # https://www.nvidia.com/en-us/data-center/a100/ (312 bf16, 156 TF32 dense)
+    ("A100", 312.0, 156.0),
+    # https://cloud.google.com/tpu/docs/v6e (Trillium: 918 bf16 per chip)
+    ("TPU v6 lite", 918.0, 918.0),
+    # https://cloud.google.com/tpu/docs/v5e (197 bf16 per chip)
+    ("TPU v5 lite", 197.0, 197.0),
+    # https://cloud.google.com/tpu/docs/v5p (459 bf16 per chip)
+    ("TPU v5", 459.0, 459.0),
+    # https://cloud.google.com/tpu/docs/v4 (275 bf16 per chip)
+    ("TPU v4", 275.0, 275.0),
+)
+
+
+def step_flops(jitted_step, *args, micro_batches: int = 1) -> float | None:
+    """The FLOPs of one call of ``jitted_step(*args)`` (arrays or ShapeDtypeStructs) by XLA's
+    count of the lowered program; ``None`` where the backend gives none."""
+    try:
+        analysis = jitted_step.lower(*args).cost_analysis()
+    except Exception as error:  # an estimate only: never a reason to stop training
+        logger.debug("No FLOP count of the training step: %s", error)
+        return None
+    if isinstance(analysis, (list, tuple)):  # one dict per computation on some versions
+        analysis = analysis[0] if analysis else None
+    flops = (analysis or {}).get("flops")
+    return float(flops) * micro_batches if flops and flops > 0 else None
+
+
+def peak_tflops(device_kind: str, compute_dtype: str | None) -> float | None:
+    """The dense peak TFLOP/s of one device of ``device_kind``; ``None`` if unknown (CPUs)."""
+    for name, half, full in PEAKS:
+        if name.lower() in device_kind.lower():
+            return half if compute_dtype in ("bfloat16", "float16") else full
+    return None
+
+
+def achieved(flops_per_step: float, steps_per_sec: float, num_devices: int, peak: float | None) -> dict[str, float]:
+    """``tflops_per_device`` and, with a known ``peak`` (TFLOP/s), ``mfu``."""
+    tflops = flops_per_step * steps_per_sec / num_devices / 1e12
+    return {"tflops_per_device": tflops, **({"mfu": tflops / peak} if peak else {})}
+
+
+def device_peak(compute_dtype: str | None) -> float | None:
+    """The peak of this process's devices (all of one kind in a mesh)."""
+    return peak_tflops(jax.devices()[0].device_kind, compute_dtype)
