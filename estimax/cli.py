@@ -6,9 +6,9 @@ NAME`` runs a bundled one (``estimax/examples/``), and ``estimax train`` with
 no task trains the digits CNN and evaluates its held-out split.
 
 Owns parsing and checking the arguments (without importing JAX, so that
-``--help`` and mistakes answer at once), mapping run-setting flags to
-``RunConfig`` fields (``RUN_FLAGS``: one line per flag), and printing
-estimax's errors as one line (exit 2; ``--debug`` shows the traceback).
+``--help`` and mistakes answer at once) and printing estimax's errors as one
+line (exit 2; ``--debug`` shows the traceback). The run-setting flags are
+``flags.py``'s.
 Owns no training: the commands call the ``Estimator``.
 
 With several processes (``--coordinator``, ``--num-processes``,
@@ -21,106 +21,14 @@ this machine.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
+
+from estimax.flags import RUN_FLAGS, non_negative_int, positive_int
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
-TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
-
-
-def positive_int(text: str) -> int:
-    return _int(text, 1, "a positive integer")
-
-
-def non_negative_int(text: str) -> int:
-    return _int(text, 0, "an integer >= 0")
-
-
-def _int(text: str, least: int, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or value < least:
-        raise argparse.ArgumentTypeError(f"received {text!r}; expected {what}")
-    return value
-
-
-def step_range(text: str) -> tuple[int, int]:
-    """``A:B`` with ``0 <= A < B``."""
-    parts = text.split(":")
-    try:
-        start, stop = (int(p) for p in parts) if len(parts) == 2 else (None, None)
-    except ValueError:
-        start = stop = None
-    if start is None or not 0 <= start < stop:
-        raise argparse.ArgumentTypeError(f"received {text!r}; expected A:B with 0 <= A < B, e.g. 100:110")
-    return start, stop
-
-
-def tracker(text: str) -> str:
-    """``mlflow`` or ``mlflow=URI`` (``TRACKERS``)."""
-    from estimax.trackers import TRACKERS
-
-    if text.partition("=")[0] not in TRACKERS:
-        raise argparse.ArgumentTypeError(
-            f"received {text!r}; expected one of {', '.join(TRACKERS)}, e.g. mlflow=http://host:5000"
-        )
-    return text
-
-
-def mesh_axes(text: str) -> dict[str, int]:
-    """``data=4,model=2`` as ``RunConfig(mesh=...)`` (a size ``-1``: the rest of the devices)."""
-    axes = {}
-    for item in text.split(","):
-        name, equals, size = item.partition("=")
-        if not equals or not name.strip() or not size.strip().lstrip("-").isdigit():
-            raise argparse.ArgumentTypeError(f"received {text!r}; expected name=size pairs, e.g. data=4,model=2")
-        axes[name.strip()] = int(size)
-    return axes
-
-
-def with_fsdp(mesh: dict[str, int] | None, fsdp: int) -> dict[str, int]:
-    """``mesh`` with an ``fsdp`` axis of ``fsdp`` devices (``--fsdp``); ``data`` takes the rest unless sized."""
-    mesh = {**(mesh or {}), "fsdp": fsdp}
-    return mesh if "data" in mesh or -1 in mesh.values() else {"data": -1, **mesh}
-
-
-@dataclasses.dataclass(frozen=True)
-class RunFlag:
-    """A flag that sets one ``RunConfig`` field; unset, the task's ``DEFAULTS[dest]`` or RunConfig's default."""
-
-    flag: str
-    field: str
-    help: str
-    options: dict = dataclasses.field(default_factory=dict)  # argparse options: type, choices, action
-    commands: tuple[str, ...] = TASK_COMMANDS
-
-    @property
-    def dest(self) -> str:
-        return self.flag.removeprefix("--").replace("-", "_")
-
-
-TRAIN = ("train",)
-RUN_FLAGS = (
-    RunFlag("--batch-size", "train_batch_size", "global batch of a training step", {"type": positive_int}),
-    RunFlag("--eval-batch-size", "eval_batch_size", "batch of evaluation and prediction", {"type": positive_int}),
-    RunFlag("--seed", "seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
-    RunFlag("--mesh", "mesh", "device mesh, e.g. data=4,model=2 (-1: the rest)", {"type": mesh_axes}),
-    RunFlag("--steps-per-loop", "steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
-    RunFlag("--loop", "loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
-    RunFlag("--log-every", "log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN),
-    RunFlag("--grad-accum", "grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN),
-    RunFlag("--profile-steps", "profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
-    RunFlag("--quiet", "quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
-    RunFlag(
-        "--tokens-per-example", "tokens_per_example", "sequence length: adds tokens/s", {"type": positive_int}, TRAIN
-    ),
-    RunFlag("--tracker", "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}),
-)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,7 +75,7 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     sub.add_argument("--model-dir", help="checkpoints and metrics.jsonl (default: runs/<task>)")
     for run_flag in RUN_FLAGS:
         if command in run_flag.commands:
-            sub.add_argument(run_flag.flag, dest=run_flag.dest, help=run_flag.help, **run_flag.options)
+            sub.add_argument(*run_flag.flags, dest=run_flag.field, help=run_flag.help, **run_flag.options)
     sub.add_argument("--fsdp", type=positive_int, help="shard parameters and optimizer state over N devices")
     sub.add_argument("--debug", action="store_true", help="show the traceback of an error")
     group = sub.add_argument_group("many processes (default: the ESTIMAX_* variables, or JAX's detection)")

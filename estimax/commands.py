@@ -1,7 +1,7 @@
 """What ``estimax train``, ``evaluate``, ``predict`` and ``export`` do, once the arguments are parsed and checked.
 
 Owns joining the process group, loading the task, building its ``RunConfig``
-from the flags (``cli.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
+from the flags (``flags.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
 own defaults, and running the command. Owns no argument parsing (``cli.py``)
 and no convention (``task.py``). Imported only after the arguments are known
 to be well-formed: importing it imports JAX.
@@ -19,9 +19,9 @@ import jax
 
 from estimax import compile_cache, distributed, storage
 from estimax import task as task_lib
-from estimax.cli import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
+from estimax.flags import RUN_FLAGS, with_fsdp
 
 COMMAND_DEFAULTS = ("max_steps", "eval_every", "model_dir")  # DEFAULTS that are no RunConfig field
 
@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
             )
         task = dataclasses.replace(task, params={**task.params, "data_dir": args.data_dir})
     defaults = task.defaults
-    known = {run_flag.dest for run_flag in RUN_FLAGS} | set(COMMAND_DEFAULTS)
+    known = {name for run_flag in RUN_FLAGS for name in run_flag.names} | set(COMMAND_DEFAULTS)
     if set(defaults) - known:
         raise ValueError(
             f"Task {task.name!r}: DEFAULTS has {sorted(set(defaults) - known)}; expected run settings "
@@ -49,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
         )
     settings = {"model_dir": args.model_dir or defaults.get("model_dir") or os.path.join("runs", task.name)}
     for run_flag in RUN_FLAGS:
-        value = getattr(args, run_flag.dest, None)
-        value = defaults.get(run_flag.dest) if value is None else value
+        value = getattr(args, run_flag.field, None)
+        if value is None:
+            value = next((defaults[name] for name in run_flag.names if name in defaults), None)
         if value is not None:
             settings[run_flag.field] = value
     if args.fsdp is not None:

@@ -65,10 +65,11 @@ def test_help_version_and_argument_errors_do_not_import_jax():
 def test_values_and_combinations_are_checked_before_anything_starts():
     cases = {
         ("train", "--seed", "-1"): r"argument --seed: received '-1'; expected an integer >= 0",
-        ("train", "--batch-size", "0"): r"argument --batch-size: received '0'; expected a positive integer",
+        ("train", "--batch-size", "0"): r"argument --train-batch-size/--batch-size: received '0'; expected a positive",
+        ("train", "--train-batch-size", "0"): r"argument --train-batch-size/--batch-size: received '0'; expected a",
         ("train", "--profile-steps", "10"): r"argument --profile-steps: received '10'; expected A:B with 0 <= A < B",
         ("train", "--profile-steps", "9:3"): r"received '9:3'; expected A:B with 0 <= A < B",
-        ("train", "--tracker", "neptune"): r"argument --tracker: received 'neptune'; expected one of mlflow",
+        ("train", "--tracker", "neptune"): r"argument --trackers/--tracker: received 'neptune'; expected one of mlflow",
         ("train", "--set", "lr"): r"argument --set: received 'lr'; expected NAME=VALUE",
         ("train", "--set", "a=1", "--set", "a=2"): r"--set a given more than once",
         ("train", "my.task", "--example", "lstm"): r"received the task 'my.task' and --example/--data",

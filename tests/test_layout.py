@@ -22,7 +22,7 @@ from models import blobs
 from models import estimator as mlp_estimator
 
 import estimax as ex
-from estimax import cli
+from estimax import cli, flags
 from estimax import layout as layout_lib
 from estimax.state import leaf_names
 
@@ -176,10 +176,10 @@ def test_minus_one_takes_the_rest_and_axes_are_laid_out_data_fsdp_then_model():
     assert dict(est.mesh.shape) == {"data": 4, "model": 2}
     est = tiny(mesh={"fsdp": -1})
     assert dict(est.mesh.shape) == {"data": 1, "fsdp": 8}
-    assert cli.mesh_axes("data=4,model=-1") == {"data": 4, "model": -1}  # estimax train --mesh data=4,model=-1
-    assert cli.with_fsdp(None, 8) == {"data": -1, "fsdp": 8}  # --fsdp 8
-    assert cli.with_fsdp({"data": 2, "model": 2}, 2) == {"data": 2, "model": 2, "fsdp": 2}
-    assert cli.with_fsdp({"model": 2}, 2) == {"data": -1, "model": 2, "fsdp": 2}
+    assert flags.mesh_axes("data=4,model=-1") == {"data": 4, "model": -1}  # estimax train --mesh data=4,model=-1
+    assert flags.with_fsdp(None, 8) == {"data": -1, "fsdp": 8}  # --fsdp 8
+    assert flags.with_fsdp({"data": 2, "model": 2}, 2) == {"data": 2, "model": 2, "fsdp": 2}
+    assert flags.with_fsdp({"model": 2}, 2) == {"data": -1, "model": 2, "fsdp": 2}
 
 
 @pytest.mark.parametrize(
