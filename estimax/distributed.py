@@ -1,10 +1,11 @@
 """Many processes, one program: ``jax.distributed`` initialisation and named barriers.
 
 Owns joining the group (from arguments, from the ``ESTIMAX_*`` environment
-variables that ``estimax launch`` sets, or by JAX's own detection on Cloud TPU
-and SLURM), quieting the console of every process but 0, and barriers with a
-timeout that say which process is late and what it was last doing, instead
-of waiting forever. Does not own restarting a failed group (``launch.py``):
+variables that ``estimax launch`` sets, from a cluster manager's variables
+(``clusters.py``), or by JAX's own detection on a Cloud TPU VM), quieting
+the console of every process but 0, and barriers with a timeout that say
+which process is late and what it was last doing, instead of waiting
+forever. Does not own restarting a failed group (``launch.py``):
 when a peer dies, JAX aborts the others, and only a supervisor can recover.
 """
 
@@ -17,15 +18,15 @@ import time
 
 import jax
 
+from estimax import clusters
+from estimax.errors import ConfigError, DistributedError
+
 logger = logging.getLogger("estimax")
 
 COORDINATOR_ENV = "ESTIMAX_COORDINATOR"
 NUM_PROCESSES_ENV = "ESTIMAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "ESTIMAX_PROCESS_ID"
 ALL_LOGS_ENV = "ESTIMAX_LOG_ALL_PROCESSES"  # "1": every process logs INFO lines, not only process 0
-# JAX's own variable (read by jax.distributed), and the clusters JAX detects by itself.
-_JAX_COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
-_SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 _STATUS_KEY = "estimax/status/"
 
 
@@ -51,41 +52,54 @@ def initialize(
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV)
     num_processes = _int_or_none(NUM_PROCESSES_ENV, num_processes)
     process_id = _int_or_none(PROCESS_ID_ENV, process_id)
+    placement = None
+    if None in (coordinator, num_processes, process_id) and num_processes != 1:
+        placement = clusters.detect(os.environ)  # a cluster manager's variables fill the gaps
+        if placement is not None:
+            coordinator = coordinator or placement.coordinator
+            num_processes = placement.num_processes if num_processes is None else num_processes
+            process_id = placement.process_id if process_id is None else process_id
     given = {"coordinator": coordinator, "num_processes": num_processes, "process_id": process_id}
     if any(v is not None for v in given.values()) and num_processes != 1:
         missing = [k for k, v in given.items() if v is None]
-        if missing and not _cluster_detected():
-            raise ValueError(
+        if missing and placement is None and not _tpu_vm():
+            raise ConfigError(
                 f"distributed.initialize received {given}; expected all three of coordinator "
                 "(host:port of process 0), num_processes and process_id, e.g. "
                 "`estimax train --coordinator 10.0.0.1:1234 --num-processes 2 --process-id 0`. "
                 f"Fix: also set {', '.join(missing)} (flags or ESTIMAX_* environment variables)."
             )
-    elif num_processes == 1 or not _cluster_detected():
+    elif num_processes == 1 or (placement is None and not _tpu_vm()):
         if not force:
             return False
         coordinator, num_processes, process_id = f"127.0.0.1:{free_port()}", 1, 0
+    devices = placement.local_device_ids if placement is not None else None
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
             num_processes=num_processes,
             process_id=process_id,
+            local_device_ids=list(devices) if devices is not None else None,
             initialization_timeout=timeout_seconds,
         )
     except RuntimeError as error:
         if "before any JAX" in str(error) or "must be called before" in str(error):
-            raise RuntimeError(
+            raise DistributedError(
                 "estimax.distributed.initialize() was called after JAX had started its devices; expected it "
                 "first. Fix: call it at the top of the program, before building an Estimator or any array."
             ) from error
         raise
     if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
         logger.setLevel(logging.WARNING)  # process 0 speaks for the group
+    from estimax.report import ensure_console
+
+    ensure_console()  # the first line says which group this is, before any Estimator exists
     logger.info(
-        "Process %d of %d joined the group at %s: %d local and %d global devices",
+        "Process %d of %d joined the group (%s) at %s: %d local and %d global devices",
         jax.process_index(),
         jax.process_count(),
-        coordinator or "(detected)",
+        placement.manager if placement is not None else "estimax" if coordinator else "detected by JAX",
+        coordinator or "(detected by JAX)",
         jax.local_device_count(),
         jax.device_count(),
     )
@@ -111,17 +125,13 @@ def _int_or_none(env: str, value: int | None) -> int | None:
         raise ValueError(f"{env}={text!r} is not an integer; expected e.g. {env}=2.") from None
 
 
-def _cluster_detected() -> bool:
-    """Whether JAX can find the group by itself (it then fills in what is missing)."""
-    if os.environ.get(_JAX_COORDINATOR_ENV) or "OMPI_MCA_orte_hnp_uri" in os.environ:
-        return True
-    if all(v in os.environ for v in _SLURM_ENV):
-        return int(os.environ["SLURM_NTASKS"]) > 1
-    try:  # a Cloud TPU VM: TPU chips on the PCI bus (a local check; JAX then asks the metadata server)
+def _tpu_vm() -> bool:
+    """Whether this is a Cloud TPU VM, whose group JAX finds by itself through the metadata server."""
+    try:  # TPU chips on the PCI bus: a local check
         from jax._src import hardware_utils
 
         return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-    except Exception:  # a private module of JAX: if it moved, rely on the other signs
+    except Exception:  # a private module of JAX: if it moved, the other managers still work
         return False
 
 

@@ -8,7 +8,9 @@ id, and supervising them. Failure in ``jax.distributed`` is fate-shared: when
 one process exits with an error or dies, the others are stopped and the whole
 group starts again (the command resumes from its latest checkpoint), up to
 ``max_restarts`` times. A preemption exit (75) is passed through, never
-restarted: the machine is going away. SIGTERM or Ctrl-C to the launcher is
+restarted: the machine is going away. Inside a cluster manager's step the
+children get none of its variables (they are a group of their own) and an
+equal share of the visible GPUs each. SIGTERM or Ctrl-C to the launcher is
 forwarded to every process as SIGTERM (save, then exit 75).
 """
 
@@ -22,6 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from estimax import clusters
 from estimax.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port
 from estimax.preemption import PREEMPTED_EXIT_CODE
 
@@ -96,8 +99,15 @@ class _Group:
         self.printer, self.signalled = printer, False
         printer.line("launch", f"starting {num_processes} processes, coordinator 127.0.0.1:{port}: {' '.join(command)}")
         self.processes, self.readers = [], []
+        # Inside a managed step (srun, mpirun, a pod): the children form a group of their own, so the
+        # manager's variables stay out of their environment, and each gets its share of the GPUs.
+        inherited = clusters.without_manager(os.environ)
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
         for i in range(num_processes):
-            env = dict(os.environ)
+            env = dict(inherited)
+            share = clusters.local_gpus(i, num_processes, len(gpus)) if len(gpus) >= num_processes else None
+            if share is not None and devices_per_process is None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[g] for g in share)
             env.update(
                 {
                     COORDINATOR_ENV: f"127.0.0.1:{port}",
@@ -122,7 +132,7 @@ class _Group:
 
     def wait(self) -> tuple[int, bool]:
         """``(exit code, whether it failed)``, once every process has ended."""
-        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, self._forward) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
         try:
             while True:
                 codes = [p.poll() for p in self.processes]

@@ -1,4 +1,4 @@
-"""Preemption: a SIGTERM or SIGINT during training becomes a save and a clean exit.
+"""Preemption: a SIGTERM, SIGINT or SIGUSR1 during training becomes a save and a clean exit.
 
 Owns noticing the signal and deciding, at a loop boundary, that training must
 stop. The training loop then saves, waits for the save, and raises
@@ -10,15 +10,18 @@ At an interactive prompt (``python -i``, IPython, Jupyter) a Ctrl-C instead
 raises ``Interrupted``, a ``KeyboardInterrupt`` that leaves the interpreter
 running and the trained state in memory; a script or the CLI still exits 75.
 
-With one process, estimax installs its own handlers for the duration of
-``train``. With several, JAX's preemption sync service (started by
-``jax.distributed.initialize``) notices SIGTERM, and every process stops at
-the same step.
+SIGUSR1 is SLURM's notice before the end of a job's time (``sbatch
+--signal=USR1@90``): it is treated as SIGTERM, so that the job saves and is
+requeued. With one process, estimax installs its own handlers for the
+duration of ``train``. With several, JAX's preemption sync service (started
+by ``jax.distributed.initialize``) notices SIGTERM, and every process stops
+at the same step; a SIGUSR1 is handed to it as a SIGTERM.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -86,7 +89,7 @@ class PreemptionWatch:
     A second SIGINT (Ctrl-C twice) raises ``KeyboardInterrupt`` at once.
     """
 
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self, saves: bool = True):
         self.signal_name: str | None = None
@@ -95,8 +98,12 @@ class PreemptionWatch:
 
     def __enter__(self) -> PreemptionWatch:
         # Handlers can only be set from the main thread; JAX handles SIGTERM itself across processes.
-        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        if jax.process_count() == 1:
             self._previous = {s: signal.signal(s, self._handle) for s in self._SIGNALS}
+        else:  # JAX's preemption sync listens for SIGTERM only
+            self._previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, _as_sigterm)}
         return self
 
     def __exit__(self, *exc) -> None:
@@ -129,3 +136,8 @@ class PreemptionWatch:
                 return True
             return False
         return self.signal_name is not None
+
+
+def _as_sigterm(signum, frame) -> None:
+    logger.warning("SIGUSR1 received: handled as SIGTERM (save, then exit for requeue).")
+    os.kill(os.getpid(), signal.SIGTERM)
