@@ -123,7 +123,7 @@ def test_integer_states_equal_numpy_on_the_unpadded_data(evaluated):
     bins = np.clip(np.floor(SCORES * np.float32(T)), 0, T - 1).astype(int)
     np.testing.assert_array_equal(states["auc"].positives, np.bincount(bins[BINARY == 1], minlength=T))
     np.testing.assert_array_equal(states["auc"].negatives, np.bincount(bins[BINARY == 0], minlength=T))
-    assert int(states["auc"].bad_scores) == int(states["auc"].bad_labels) == int(states["prf"].out_of_range) == 0
+    assert int(states["auc"].bad_scores) == int(states["auc"].labels.count) == int(states["prf"].out_of_range) == 0
 
 
 def test_classification_results_match_scikit_learn(evaluated):

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from estimax.errors import EstimaxError
+
 NUM_EXAMPLES = "num_examples"  # the count of valid examples every evaluation reports
 
 
@@ -179,8 +181,9 @@ def results(name: str, state: Metric) -> dict[str, float]:
     """``state.compute()`` under flat names: ``name`` or ``"name/field"``; errors name the metric."""
     try:
         value = state.compute()
-    except ValueError as error:
-        raise ValueError(f"Metric {name!r} ({type(state).__name__}): {error}") from error
+    except ValueError as error:  # an estimax error keeps its class (InputError: the labels or scores)
+        kind = type(error) if isinstance(error, EstimaxError) else ValueError
+        raise kind(f"Metric {name!r} ({type(state).__name__}): {error}") from error
     if isinstance(value, dict):
         return {f"{name}/{field}": float(v) for field, v in value.items()}
     return {name: float(value)}
