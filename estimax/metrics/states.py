@@ -339,9 +339,7 @@ class HitsState(Metric):
             hits, invalid = jnp.sum(scores > label_score[..., None], axis=-1) < k, jnp.zeros(labels.shape, bool)
         outside = _label_range(labels, valid, num_classes)
         in_range = (labels >= 0) & (labels < num_classes) if num_classes is not None else True
-        return cls(
-            _count(valid & hits & in_range), _count(valid), outside, _count(valid & invalid), num_classes
-        )
+        return cls(_count(valid & hits & in_range), _count(valid), outside, _count(valid & invalid), num_classes)
 
     def merge(self, other):
         return HitsState(
