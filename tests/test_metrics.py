@@ -465,3 +465,67 @@ def test_a_clu_metric_wrapped_in_the_readme_adapter_agrees_with_the_built_ins():
     results = make_estimator(model_fn).evaluate(DATA)
     assert results["clu_accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
     assert results["clu_loss"] == pytest.approx(results["loss"], rel=1e-5)
+
+
+def _binary_model_fn(model, features, labels, mode, params):
+    logit = jnp.log(features["score"]) - jnp.log1p(-features["score"])
+    binary = labels % 2
+    loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+    return ex.Spec(
+        loss=loss,
+        metrics={
+            "acc": M.Accuracy(features["score"], binary),
+            "acc_column": M.Accuracy(features["score"][:, None], binary),
+            "acc_logits": M.Accuracy(logit, binary, from_logits=True),
+            "acc_03": M.Accuracy(features["score"], binary == 1, threshold=0.3),
+            "cm": M.ConfusionMatrix(features["score"], binary, num_classes=2, per_class=True),
+        },
+    )
+
+
+def test_binary_scores_of_one_per_example_are_thresholded_like_scikit_learn():
+    # Before: a float score per example was truncated to class 0 (accuracy = the share of negatives).
+    results = make_estimator(_binary_model_fn).evaluate(DATA)
+    predicted = (SCORES > 0.5).astype(int)
+    expected = sk.accuracy_score(BINARY, predicted)
+    assert expected != pytest.approx(sk.accuracy_score(BINARY, SCORES.astype(int)), abs=0.05)  # far from truncation
+    for name in ("acc", "acc_column", "acc_logits", "cm/accuracy"):
+        assert results[name] == pytest.approx(expected, abs=1e-12), name
+    assert results["acc_03"] == pytest.approx(sk.accuracy_score(BINARY, SCORES > 0.3), abs=1e-12)
+    precision, recall, f1, _ = sk.precision_recall_fscore_support(BINARY, predicted, zero_division=0)
+    for c in (0, 1):
+        assert results[f"cm/precision_{c}"] == pytest.approx(precision[c], abs=1e-12)
+        assert results[f"cm/recall_{c}"] == pytest.approx(recall[c], abs=1e-12)
+        assert results[f"cm/f1_{c}"] == pytest.approx(f1[c], abs=1e-12)
+    assert results["cm/f1_macro"] == pytest.approx(sk.f1_score(BINARY, predicted, average="macro"), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("metric", "match"),
+    [
+        (lambda s, y, lg: M.Accuracy(lg, y.astype(jnp.float32)), r"metrics\['bad'\] \(Accuracy\).*labels are float32"),
+        (lambda s, y, lg: M.TopK(lg, y.astype(jnp.float32), k=2), r"metrics\['bad'\] \(TopK\).*labels are float32"),
+        (
+            lambda s, y, lg: M.ConfusionMatrix(lg.argmax(-1).astype(jnp.float32), y, num_classes=C),
+            r"metrics\['bad'\] \(ConfusionMatrix\).*float32 .* num_classes=10.*never truncated.*Fix:",
+        ),
+        (lambda s, y, lg: M.ConfusionMatrix(lg[:, :3], y, num_classes=C), r"have 3 classes .* num_classes=10"),
+    ],
+)
+def test_float_class_ids_are_refused_naming_the_metric(metric, match):
+    def model_fn(model, features, labels, mode, params):
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+        return ex.Spec(loss=loss, metrics={"bad": metric(features["score"], labels, features["logits"])})
+
+    with pytest.raises(ex.errors.InputError, match=match):
+        make_estimator(model_fn).evaluate(DATA)
+
+
+def test_probabilities_outside_zero_one_are_refused_by_accuracy():
+    def model_fn(model, features, labels, mode, params):
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+        return ex.Spec(loss=loss, metrics={"acc": M.Accuracy(features["score"] * 2, labels % 2)})
+
+    expected = int(np.sum(SCORES * 2 > 1))
+    with pytest.raises(ex.errors.InputError, match=rf"'acc' \(HitsState\): {expected} valid binary scores .*Fix:"):
+        make_estimator(model_fn).evaluate(DATA)

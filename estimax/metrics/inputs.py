@@ -34,7 +34,7 @@ def _state(name: str, inputs: Inputs, mask: jax.Array) -> Metric:
     try:
         return inputs.state(mask)
     except EstimaxError as error:
-        raise type(error)(f"Spec(metrics={{{name!r}: {type(inputs).__name__}(...)}}): {error}") from error
+        raise type(error)(f"metrics[{name!r}] ({type(inputs).__name__}): {error}") from error
 
 
 def result_names(values: dict, batch_size: int) -> list[str]:
@@ -45,7 +45,8 @@ def result_names(values: dict, batch_size: int) -> list[str]:
         if not isinstance(value, Inputs):
             names.append(name)
             continue
-        state = jax.eval_shape(lambda v, m: v.state(m), value, jax.ShapeDtypeStruct((batch_size,), jnp.bool_))
+        mask = jax.ShapeDtypeStruct((batch_size,), jnp.bool_)
+        state = jax.eval_shape(lambda v, m, name=name: _state(name, v, m), value, mask)
         try:
             names.extend(results(name, empty_like(state)))
         except Exception:  # a user's compute that needs examples: its name alone

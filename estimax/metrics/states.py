@@ -164,33 +164,53 @@ def _check_labels(state) -> None:
         raise InputError(message)
 
 
+def _nonfinite_rows(values, mask) -> jax.Array:
+    """Valid rows (examples) with a NaN or Inf value."""
+    finite = jnp.isfinite(values).reshape(values.shape[0], -1)
+    return _count(mask & ~jnp.all(finite, axis=1))
+
+
+def _nonfinite_note(nonfinite, rows) -> str:
+    return f"{int(nonfinite)} of {int(rows)} examples have NaN or Inf values" if nonfinite else ""
+
+
 class MeanState(Metric):
     total: jax.Array
     count: jax.Array  # int32 without weights, the sum of weights with them
+    rows: jax.Array  # valid examples
+    nonfinite: jax.Array  # valid examples with a NaN or Inf value: named when the mean is not finite
 
     @classmethod
     def from_batch(cls, values, weights=None, *, mask):
         values = jnp.asarray(values, jnp.float32)
+        rows = _count(mask)
         if values.ndim == 0:  # a batch-level scalar: only where nothing is padded (checked by the engine)
-            valid = _count(mask)
-            return cls(values * valid, valid)
+            nonfinite = jnp.where(jnp.isfinite(values), 0, rows)
+            return cls(values * rows, rows, rows, nonfinite)
+        bad = _nonfinite_rows(values, mask)
         valid = _mask_like(mask, values)
         if weights is None:
             # where(), not multiply: a NaN on a padded row must not leak into the sum.
-            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid))
+            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid), rows, bad)
         weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), values.shape)
-        return cls(jnp.sum(jnp.where(valid, values * weights, 0.0)), jnp.sum(jnp.where(valid, weights, 0.0)))
+        total = jnp.sum(jnp.where(valid, values * weights, 0.0))
+        return cls(total, jnp.sum(jnp.where(valid, weights, 0.0)), rows, bad)
 
     @classmethod
     def empty(cls):
-        return cls(np.float32(0), np.int32(0))
+        return cls(np.float32(0), np.int32(0), np.int32(0), np.int32(0))
 
     def merge(self, other):
-        return MeanState(self.total + other.total, self.count + other.count)
+        return MeanState(
+            self.total + other.total, self.count + other.count, self.rows + other.rows, self.nonfinite + other.nonfinite
+        )
 
     def compute(self) -> float:
         count = float(self.count)
         return float(self.total) / count if count else float("nan")
+
+    def nan_note(self) -> str:
+        return _nonfinite_note(self.nonfinite, self.rows)
 
 
 class SumState(Metric):
