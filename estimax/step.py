@@ -260,7 +260,6 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
     named = {"loss": spec.loss} if spec.loss is not None else {}
     if spec.metrics is not None and not isinstance(spec.metrics, dict):
         raise TypeError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
-    check_metric_names(spec.metrics or {}, mode, batch_size)
     for key, value in (spec.metrics or {}).items():
         if isinstance(value, metrics_lib.Metric):
             raise TypeError(
@@ -279,6 +278,7 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
                 f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
                 "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
             )
+    check_metric_names(spec.metrics or {}, mode, batch_size)  # once the shapes are known to fit
     if spec.eval_outputs is not None:
         if not isinstance(spec.eval_outputs, dict):
             raise TypeError(
