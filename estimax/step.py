@@ -16,6 +16,7 @@ import optax
 
 from estimax import accumulation, diagnose, precision
 from estimax import metrics as metrics_lib
+from estimax.errors import ConfigError
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 
@@ -106,8 +107,11 @@ class Core:
             # The carry of the device loop keeps its dtypes, whatever the compute dtype.
             return jnp.mean(spec.loss), (spec, precision.like(self.adapter.model_state(module), state.model_state))
 
+        loss_labels = None
         if self.grad_accum_steps == 1:
             (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            # Which labels a non-finite loss came from: named if training stops on it.
+            loss_labels = metrics_lib.loss_labels(spec.loss, batch[1])
         else:
             loss, spec, model_state, grads = self._accumulated_grads(state, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
@@ -117,6 +121,8 @@ class Core:
         learning_rate = _learning_rate(opt_state)  # the rate this update used
         if learning_rate is not None:
             outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
+        if loss_labels is not None:
+            outputs[metrics_lib.LOSS_LABELS] = loss_labels
         outputs.update(metrics_lib.train_outputs(spec.metrics, batch_size))  # metric inputs: per-step states
         return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
 
@@ -254,8 +260,6 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
     named = {"loss": spec.loss} if spec.loss is not None else {}
     if spec.metrics is not None and not isinstance(spec.metrics, dict):
         raise TypeError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
-    if metrics_lib.NUM_EXAMPLES in (spec.metrics or {}):
-        raise ValueError("Spec(metrics=...) uses the reserved name 'num_examples'; rename that metric.")
     for key, value in (spec.metrics or {}).items():
         if isinstance(value, metrics_lib.Metric):
             raise TypeError(
@@ -274,6 +278,7 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
                 f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
                 "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
             )
+    check_metric_names(spec.metrics or {}, mode, batch_size)  # once the shapes are known to fit
     if spec.eval_outputs is not None:
         if not isinstance(spec.eval_outputs, dict):
             raise TypeError(
@@ -282,6 +287,39 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
             )
         _check_rows("eval_outputs", spec.eval_outputs, batch_size, mode)
     return spec
+
+
+# Names the engine reports beside the metrics: in every evaluation, and in training's outputs and logs.
+RESERVED_EVAL = ("loss", metrics_lib.NUM_EXAMPLES)
+RESERVED_TRAIN = (
+    "loss",
+    "grad_norm",
+    "finite_grads",
+    "learning_rate",
+    "skipped_update_fraction",
+    "steps_per_sec",
+    "examples_per_sec",
+    "input_wait_fraction",
+    metrics_lib.LOSS_LABELS,
+)
+
+
+def check_metric_names(metrics: dict, mode: Mode, batch_size: int) -> None:
+    """Raises a ``ConfigError`` naming both of two results with one name: a metric and a name the engine
+    reports (``loss``, ``num_examples``, ...), or two metrics (``prf/accuracy`` beside a ``ConfusionMatrix``
+    named ``prf``, which reports ``prf/accuracy``)."""
+    reserved = RESERVED_TRAIN if mode == TRAIN else RESERVED_EVAL
+    owner = {name: f"the engine's own {name!r}" for name in reserved}
+    for key, value in metrics.items():
+        names = metrics_lib.result_names({key: value}, batch_size) if metrics_lib.is_metric_inputs(value) else [key]
+        what = f"metric {key!r}" + (f" ({type(value).__name__})" if metrics_lib.is_metric_inputs(value) else "")
+        for name in names:
+            if name in owner:
+                raise ConfigError(
+                    f"Spec(metrics=...) in {mode} mode reports {name!r} twice: {owner[name]} and {what}; expected "
+                    "distinct names (one would silently replace the other). Fix: rename the metric."
+                )
+            owner[name] = what if name == key else f"{what}'s field {name!r}"
 
 
 def _check_rows(what: str, tree, batch_size: int, mode: Mode) -> None:

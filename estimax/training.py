@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
@@ -191,6 +192,7 @@ class TrainingLoop:
     def _checked(self, loop: _Loop) -> dict[str, np.ndarray]:
         """The loop's outputs; raises ``NonFiniteError`` on a NaN/Inf (unless skipping them)."""
         outputs = loop.host()
+        metrics_lib.check_training(outputs, loop.step_before)  # labels outside a metric's classes
         finite = outputs.get("finite_grads")
         bad = ~np.isfinite(outputs["loss"])
         if finite is not None:
@@ -207,6 +209,7 @@ class TrainingLoop:
                 f"Non-finite values at step {loop.step_before + i + 1} (in the loop of steps "
                 f"{loop.step_before + 1}-{loop.step_after}): loss {outputs['loss'][i]}; non-finite gradients "
                 f"of {names or 'no parameter'}. "
+                + metrics_lib.nonfinite_note(outputs, i)
                 + (f"The last checkpoint (step {last}) is kept. " if last is not None else "")
                 + "Fix: lower the learning rate, check the input for NaN/Inf, or RunConfig(skip_nonfinite=True) "
                 "to skip such updates on the device and count them."

@@ -106,10 +106,9 @@ def check_model_fn(model_fn) -> None:
 def check_eval_metrics_exist(core, abstract_state, mesh, batch_size: int, inputs, used: dict[str, str]) -> None:
     """Raises unless every metric in ``used`` is among the evaluation's outputs, traced abstractly on
     the first batch of the first of ``inputs`` that can be read again (the evaluation input, else the
-    training input); nothing is compiled or evaluated. Plain iterables are checked at the first
-    evaluation instead."""
-    if not used:
-        return
+    training input); nothing is compiled or evaluated. The trace also checks the model_fn's EVAL-mode
+    Spec (metric names that collide, shapes), so that a mistake there stops before the first training
+    step. Plain iterables are checked at the first evaluation instead."""
     from estimax import metrics as metrics_lib
 
     host_batch = batch_size // jax.process_count()

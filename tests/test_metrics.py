@@ -123,7 +123,7 @@ def test_integer_states_equal_numpy_on_the_unpadded_data(evaluated):
     bins = np.clip(np.floor(SCORES * np.float32(T)), 0, T - 1).astype(int)
     np.testing.assert_array_equal(states["auc"].positives, np.bincount(bins[BINARY == 1], minlength=T))
     np.testing.assert_array_equal(states["auc"].negatives, np.bincount(bins[BINARY == 0], minlength=T))
-    assert int(states["auc"].bad_scores) == int(states["auc"].bad_labels) == int(states["prf"].out_of_range) == 0
+    assert int(states["auc"].bad_scores) == int(states["auc"].labels.count) == int(states["prf"].out_of_range) == 0
 
 
 def test_classification_results_match_scikit_learn(evaluated):
@@ -465,3 +465,176 @@ def test_a_clu_metric_wrapped_in_the_readme_adapter_agrees_with_the_built_ins():
     results = make_estimator(model_fn).evaluate(DATA)
     assert results["clu_accuracy"] == pytest.approx(results["accuracy"], abs=1e-6)
     assert results["clu_loss"] == pytest.approx(results["loss"], rel=1e-5)
+
+
+def _binary_model_fn(model, features, labels, mode, params):
+    logit = jnp.log(features["score"]) - jnp.log1p(-features["score"])
+    binary = labels % 2
+    loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+    return ex.Spec(
+        loss=loss,
+        metrics={
+            "acc": M.Accuracy(features["score"], binary),
+            "acc_column": M.Accuracy(features["score"][:, None], binary),
+            "acc_logits": M.Accuracy(logit, binary, from_logits=True),
+            "acc_03": M.Accuracy(features["score"], binary == 1, threshold=0.3),
+            "cm": M.ConfusionMatrix(features["score"], binary, num_classes=2, per_class=True),
+        },
+    )
+
+
+def test_binary_scores_of_one_per_example_are_thresholded_like_scikit_learn():
+    # Before: a float score per example was truncated to class 0 (accuracy = the share of negatives).
+    results = make_estimator(_binary_model_fn).evaluate(DATA)
+    predicted = (SCORES > 0.5).astype(int)
+    expected = sk.accuracy_score(BINARY, predicted)
+    assert expected != pytest.approx(sk.accuracy_score(BINARY, SCORES.astype(int)), abs=0.05)  # far from truncation
+    for name in ("acc", "acc_column", "acc_logits", "cm/accuracy"):
+        assert results[name] == pytest.approx(expected, abs=1e-12), name
+    assert results["acc_03"] == pytest.approx(sk.accuracy_score(BINARY, SCORES > 0.3), abs=1e-12)
+    precision, recall, f1, _ = sk.precision_recall_fscore_support(BINARY, predicted, zero_division=0)
+    for c in (0, 1):
+        assert results[f"cm/precision_{c}"] == pytest.approx(precision[c], abs=1e-12)
+        assert results[f"cm/recall_{c}"] == pytest.approx(recall[c], abs=1e-12)
+        assert results[f"cm/f1_{c}"] == pytest.approx(f1[c], abs=1e-12)
+    assert results["cm/f1_macro"] == pytest.approx(sk.f1_score(BINARY, predicted, average="macro"), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("metric", "match"),
+    [
+        (lambda s, y, lg: M.Accuracy(lg, y.astype(jnp.float32)), r"metrics\['bad'\] \(Accuracy\).*labels are float32"),
+        (lambda s, y, lg: M.TopK(lg, y.astype(jnp.float32), k=2), r"metrics\['bad'\] \(TopK\).*labels are float32"),
+        (
+            lambda s, y, lg: M.ConfusionMatrix(lg.argmax(-1).astype(jnp.float32), y, num_classes=C),
+            r"metrics\['bad'\] \(ConfusionMatrix\).*float32 .* num_classes=10.*never truncated.*Fix:",
+        ),
+        (lambda s, y, lg: M.ConfusionMatrix(lg[:, :3], y, num_classes=C), r"have 3 classes .* num_classes=10"),
+    ],
+)
+def test_float_class_ids_are_refused_naming_the_metric(metric, match):
+    def model_fn(model, features, labels, mode, params):
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+        return ex.Spec(loss=loss, metrics={"bad": metric(features["score"], labels, features["logits"])})
+
+    with pytest.raises(ex.errors.InputError, match=match):
+        make_estimator(model_fn).evaluate(DATA)
+
+
+def test_probabilities_outside_zero_one_are_refused_by_accuracy():
+    def model_fn(model, features, labels, mode, params):
+        loss = optax.softmax_cross_entropy_with_integer_labels(model(features["x"]), labels)
+        return ex.Spec(loss=loss, metrics={"acc": M.Accuracy(features["score"] * 2, labels % 2)})
+
+    expected = int(np.sum(SCORES * 2 > 1))
+    with pytest.raises(ex.errors.InputError, match=rf"'acc' \(HitsState\): {expected} valid binary scores .*Fix:"):
+        make_estimator(model_fn).evaluate(DATA)
+
+
+BAD_LABELS = LABELS.copy()
+BAD_LABELS[[5, 50, 500, 900]] = [-1, 10, 12, -1]  # outside the classes 0..9
+BAD_DATA = ex.data.from_arrays(FEATURES, BAD_LABELS)
+
+
+def test_labels_outside_the_classes_are_named_in_evaluation():
+    # Before: Accuracy over scores counted a label -1 or 10 as a miss without a word, and the loss was NaN.
+    def model_fn(model, features, labels, mode, params):
+        loss = optax.softmax_cross_entropy_with_integer_labels(features["logits"], labels)
+        return ex.Spec(loss=loss, metrics={"acc": M.Accuracy(features["logits"], labels)})
+
+    with pytest.raises(
+        ex.errors.InputError,
+        match=r"Metric 'acc' \(HitsState\): 4 valid labels are outside the classes 0..9 \(values -1, 10, 12\).*Fix:",
+    ):
+        make_estimator(model_fn).evaluate(BAD_DATA)
+    for metric in (M.TopK(LOGITS, BAD_LABELS, k=2), M.ConfusionMatrix(LOGITS, BAD_LABELS, num_classes=C)):
+        state = M.to_host(metric.state(np.ones(N, bool)))
+        assert (int(state.labels.count), state.labels.values()) == (4, [-1, 10, 12])
+    in_range = np.isin(np.arange(N), [5, 50, 500, 900], invert=True)  # the matrix counts the others only
+    matrix = M.to_host(M.ConfusionMatrix(LOGITS, BAD_LABELS, num_classes=C).state(np.ones(N, bool))).matrix
+    np.testing.assert_array_equal(matrix, sk.confusion_matrix(LABELS[in_range], LOGITS.argmax(-1)[in_range]))
+
+
+def test_a_nan_in_evaluation_names_the_metric_and_the_examples(caplog):
+    # Before: labels outside the logits gave a NaN loss in the results and nothing else.
+    def model_fn(model, features, labels, mode, params):
+        return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(features["logits"], labels))
+
+    with caplog.at_level("WARNING", logger="estimax"):
+        results = make_estimator(model_fn).evaluate(BAD_DATA)
+    assert np.isnan(results["loss"]) and results["num_examples"] == N  # the result is kept
+    # -1 wraps around in optax (a finite loss); 10 and 12 are NaN.
+    assert f"Metric 'loss' is NaN: 2 of {N} examples have NaN or Inf values" in caplog.text
+
+
+def _train(model_fn, labels, **config):
+    from models import MLP, blobs
+
+    features, _ = blobs(128)
+    est = ex.Estimator(
+        model=lambda rngs, p: MLP(rngs),
+        model_fn=model_fn,
+        optimizer=optax.sgd(0.1),
+        config=ex.RunConfig(train_batch_size=128, steps_per_loop=2, **config),
+    )
+    return est.train(ex.data.from_arrays(features, labels), max_steps=2)
+
+
+def test_labels_outside_the_classes_are_named_in_training():
+    labels = np.arange(128, dtype=np.int32) % 3
+    labels[[3, 7, 9]] = [5, -1, 5]
+
+    def with_accuracy(model, features, labels, mode, params):
+        logits = model(features["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return ex.Spec(loss=loss, metrics={"acc": M.Accuracy(logits, labels)})
+
+    with pytest.raises(
+        ex.errors.InputError,
+        match=r"Training step 1, metric 'acc' \(HitsState\): 3 labels of the batch are outside the classes 0..2 "
+        r"\(values -1, 5\)",
+    ):
+        _train(with_accuracy, labels)
+
+    # Before: a NonFiniteError that never mentioned labels.
+    def loss_only(model, features, labels, mode, params):
+        logits = model(features["x"])
+        return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+    with pytest.raises(ex.NonFiniteError, match=r"The loss is not finite on 2 examples, whose labels are 5, 5"):
+        _train(loss_only, labels)
+
+
+def test_metric_names_that_collide_are_refused_before_the_first_step(tmp_path):
+    # Before: metrics={"loss": ...} replaced the loss in evaluate(), and "prf/accuracy" the matrix's own field.
+    def model_fn(model, features, labels, mode, params):
+        logits = model(features["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        metrics = {"prf": M.ConfusionMatrix(logits, labels, num_classes=C)}
+        if mode == ex.EVAL:
+            metrics.update(params["extra"])
+        return ex.Spec(loss=loss, metrics=metrics)
+
+    def estimator(extra, model_dir=None):
+        return ex.Estimator(
+            model=mlp,
+            model_fn=model_fn,
+            optimizer=optax.sgd(0.1),
+            config=ex.RunConfig(model_dir=model_dir, train_batch_size=32, eval_batch_size=64),
+            params={"dropout": 0.0, "classes": C, "extra": extra},
+        )
+
+    with pytest.raises(ex.errors.ConfigError, match=r"reports 'loss' twice: the engine's own 'loss' and metric 'loss'"):
+        estimator({"loss": jnp.full(64, 42.0)}).evaluate(DATA)
+    with pytest.raises(ex.errors.ConfigError, match=r"'num_examples' twice"):
+        estimator({"num_examples": jnp.ones(64)}).evaluate(DATA)
+    with pytest.raises(
+        ex.errors.ConfigError,
+        match=r"reports 'prf/accuracy' twice: metric 'prf' \(ConfusionMatrix\)'s field 'prf/accuracy' and metric "
+        r"'prf/accuracy'.*Fix: rename",
+    ):
+        estimator({"prf/accuracy": jnp.ones(64)}).evaluate(DATA)
+    est = estimator({"prf/accuracy": jnp.ones(64)}, str(tmp_path / "run"))
+    with pytest.raises(ex.errors.ConfigError, match=r"'prf/accuracy' twice"):
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=2)
+    assert int(est.state().step) == 0  # refused before the first training step

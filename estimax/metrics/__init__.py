@@ -30,6 +30,7 @@ from estimax.metrics.inputs import (
     result_names,
     train_outputs,
 )
+from estimax.metrics.labels import LOSS_LABELS, check_training, loss_labels, nonfinite_note
 from estimax.metrics.protocol import (
     NUM_EXAMPLES,
     Inputs,
@@ -46,6 +47,7 @@ from estimax.metrics.states import (
     AUCState,
     ConfusionState,
     HitsState,
+    LabelRange,
     MaxState,
     MeanState,
     MinState,
@@ -62,6 +64,8 @@ __all__ = [
     "ConfusionState",
     "HitsState",
     "Inputs",
+    "LOSS_LABELS",
+    "LabelRange",
     "Max",
     "MaxState",
     "Mean",
@@ -75,10 +79,13 @@ __all__ = [
     "SumState",
     "TopK",
     "batch_states",
+    "check_training",
     "config_of",
     "empty_like",
     "is_metric_inputs",
+    "loss_labels",
     "merge_steps",
+    "nonfinite_note",
     "result_names",
     "results",
     "static",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from estimax.errors import ConfigError, EstimaxError
 from estimax.metrics.protocol import Inputs, Metric, empty_like, results
 from estimax.metrics.states import (
     AUCState,
@@ -25,7 +26,15 @@ from estimax.metrics.states import (
 
 def batch_states(values: dict, mask: jax.Array) -> dict[str, Metric]:
     """The state of one batch of every metric; plain per-example values are ``Mean``s."""
-    return {k: (v if isinstance(v, Inputs) else Mean(v)).state(mask) for k, v in values.items()}
+    return {k: _state(k, v if isinstance(v, Inputs) else Mean(v), mask) for k, v in values.items()}
+
+
+def _state(name: str, inputs: Inputs, mask: jax.Array) -> Metric:
+    """``inputs.state(mask)``; an input error (raised while tracing) names the metric."""
+    try:
+        return inputs.state(mask)
+    except EstimaxError as error:
+        raise type(error)(f"metrics[{name!r}] ({type(inputs).__name__}): {error}") from error
 
 
 def result_names(values: dict, batch_size: int) -> list[str]:
@@ -36,7 +45,8 @@ def result_names(values: dict, batch_size: int) -> list[str]:
         if not isinstance(value, Inputs):
             names.append(name)
             continue
-        state = jax.eval_shape(lambda v, m: v.state(m), value, jax.ShapeDtypeStruct((batch_size,), jnp.bool_))
+        mask = jax.ShapeDtypeStruct((batch_size,), jnp.bool_)
+        state = jax.eval_shape(lambda v, m, name=name: _state(name, v, m), value, mask)
         try:
             names.extend(results(name, empty_like(state)))
         except Exception:  # a user's compute that needs examples: its name alone
@@ -52,7 +62,7 @@ def train_outputs(metrics: dict | None, batch_size: int) -> dict:
             outputs[name] = value
         elif isinstance(value, Inputs):
             full = jnp.ones((batch_size,), bool) if full is None else full  # training batches have no padding
-            outputs[name] = value.state(full)
+            outputs[name] = _state(name, value, full)
         else:
             outputs[name] = jnp.mean(jnp.asarray(value, jnp.float32))
     return outputs
@@ -96,15 +106,29 @@ class Std(Inputs):
         super().__init__(MomentsState, values)
 
 
+def _binary_config(metric: str, threshold, from_logits) -> dict:
+    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, int | float)):
+        raise ConfigError(
+            f"{metric}(threshold={threshold!r}); expected a number (default 0.5, or 0 with from_logits=True)."
+        )
+    return {"threshold": None if threshold is None else float(threshold), "from_logits": bool(from_logits)}
+
+
 class Accuracy(Inputs):
     """Fraction of valid rows whose predicted class equals the label.
 
-    ``predictions``: class ids shaped like ``labels``, or scores with one more
-    (class) axis, reduced by argmax. Result: ``name``.
+    ``predictions``: integer class ids shaped like ``labels``; scores with one
+    more (class) axis, reduced by argmax; or, for a binary task, one float
+    score per example (shape like ``labels``, or a class axis of size 1): a
+    probability, class 1 above ``threshold`` (default 0.5), or a logit with
+    ``from_logits=True`` (default threshold 0). Floats are never truncated to
+    class ids: labels must be integers or bools. Labels outside the classes of
+    the scores, and probabilities outside [0, 1] or NaN, make the result
+    raise. Result: ``name``.
     """
 
-    def __init__(self, predictions, labels):
-        super().__init__(HitsState, predictions, labels)
+    def __init__(self, predictions, labels, *, threshold: float | None = None, from_logits: bool = False):
+        super().__init__(HitsState, predictions, labels, **_binary_config("Accuracy", threshold, from_logits))
 
 
 class TopK(Inputs):
@@ -122,7 +146,9 @@ class TopK(Inputs):
 class ConfusionMatrix(Inputs):
     """The ``num_classes x num_classes`` matrix of valid (label, prediction) counts, and what follows from it.
 
-    ``predictions``: class ids, or scores with one more (class) axis (argmax).
+    ``predictions``: class ids, or scores with one more (class) axis of size
+    ``num_classes`` (argmax); with ``num_classes=2`` also one float score per
+    example, thresholded as ``Accuracy`` does (``threshold``, ``from_logits``).
     Results ``name/accuracy``, ``name/{precision,recall,f1}_{macro,micro}``,
     ``name/mean_per_class_accuracy`` (= ``recall_macro``) and, with
     ``per_class=True``, ``name/{precision,recall,f1}_<c>``. A class with no
@@ -131,12 +157,28 @@ class ConfusionMatrix(Inputs):
     ``num_classes`` classes). Device memory: ``num_classes**2`` int32.
     """
 
-    def __init__(self, predictions, labels, num_classes: int, per_class: bool = False):
+    def __init__(
+        self,
+        predictions,
+        labels,
+        num_classes: int,
+        per_class: bool = False,
+        *,
+        threshold: float | None = None,
+        from_logits: bool = False,
+    ):
         if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"ConfusionMatrix(num_classes={num_classes!r}); expected an integer >= 2, the number of classes."
             )
-        super().__init__(ConfusionState, predictions, labels, num_classes=num_classes, per_class=bool(per_class))
+        super().__init__(
+            ConfusionState,
+            predictions,
+            labels,
+            num_classes=num_classes,
+            per_class=bool(per_class),
+            **_binary_config("ConfusionMatrix", threshold, from_logits),
+        )
 
 
 class AUC(Inputs):

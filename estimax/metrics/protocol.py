@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
 import numpy as np
+
+from estimax.errors import EstimaxError
+
+logger = logging.getLogger("estimax")
 
 NUM_EXAMPLES = "num_examples"  # the count of valid examples every evaluation reports
 
@@ -176,11 +181,21 @@ def merge_steps(stacked: Metric) -> Metric:
 
 
 def results(name: str, state: Metric) -> dict[str, float]:
-    """``state.compute()`` under flat names: ``name`` or ``"name/field"``; errors name the metric."""
+    """``state.compute()`` under flat names: ``name`` or ``"name/field"``; errors name the metric. A
+    result that is not finite because of NaN/Inf inputs is logged as a warning naming the metric and
+    how many examples had them (a state's ``nan_note()``); the result is kept."""
     try:
         value = state.compute()
-    except ValueError as error:
-        raise ValueError(f"Metric {name!r} ({type(state).__name__}): {error}") from error
+    except ValueError as error:  # an estimax error keeps its class (InputError: the labels or scores)
+        kind = type(error) if isinstance(error, EstimaxError) else ValueError
+        raise kind(f"Metric {name!r} ({type(state).__name__}): {error}") from error
     if isinstance(value, dict):
-        return {f"{name}/{field}": float(v) for field, v in value.items()}
-    return {name: float(value)}
+        values = {f"{name}/{field}": float(v) for field, v in value.items()}
+    else:
+        values = {name: float(value)}
+    note = state.nan_note() if hasattr(state, "nan_note") else ""
+    numbers = np.asarray(list(values.values()), np.float64)
+    if note and not np.isfinite(numbers).all():
+        kind = "NaN" if np.isnan(numbers).any() else "infinite"
+        logger.warning("Metric %r is %s: %s (the result is kept).", name, kind, note)
+    return values

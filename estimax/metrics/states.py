@@ -5,7 +5,11 @@ host) or float sums, built from one batch with the padding mask by selection
 (``where``, dropped scatter indices), never by multiplication. ``merge`` runs
 on jax and numpy arrays alike; ``compute`` on the host in float64. Invalid
 valid-row inputs (scores outside [0, 1], class ids outside the classes) are
-counted in the state and make ``compute`` raise. Owns no inputs (``inputs``).
+counted in the state and make ``compute`` raise; labels outside the classes
+are kept as a ``LabelRange`` (how many, the first few values), which training
+reads after every loop. How predictions become class ids (argmax over a class
+axis, or a threshold on binary scores) is ``predicted_ids``'s. Owns no inputs
+(``inputs``).
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from estimax.errors import InputError
 from estimax.metrics.protocol import Metric, static
+
+FIRST_LABELS = 4  # out-of-range label values a LabelRange keeps, to name them
 
 
 def _xp(x):
@@ -39,41 +46,171 @@ def _divide(a, b):
     return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape), where=b != 0)
 
 
-def _class_ids(predictions, labels):
-    """Class ids from ids, or from scores with one more (class) axis than the labels."""
-    predictions = jnp.asarray(predictions)
-    if predictions.ndim == jnp.ndim(labels) + 1:
-        return jnp.argmax(predictions, axis=-1)
-    return predictions
+def check_class_ids(what: str, ids) -> None:
+    """Raises unless ``ids`` (labels or predicted ids) are integers or bools: floats are never truncated."""
+    dtype = jnp.result_type(ids)
+    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
+        raise InputError(
+            f"{what} are {dtype} of shape {jnp.shape(ids)}; expected integer class ids (or bools), which are "
+            f"never truncated from floats. Fix: convert them, e.g. `{what.split()[-1]}.astype(jnp.int32)`."
+        )
+
+
+def predicted_ids(predictions, labels, *, num_classes=None, threshold=None, from_logits=False):
+    """``(class ids, invalid scores, number of classes or None)`` of ``predictions`` for ``labels``.
+
+    * scores with one more (class) axis than the labels: argmax over it; a class
+      axis of size 1 holds binary scores;
+    * floats shaped like the labels: binary scores, class 1 where above ``threshold``
+      (0.5 for probabilities, 0 with ``from_logits``); probabilities outside [0, 1]
+      and NaN are invalid;
+    * integers or bools shaped like the labels: class ids.
+    """
+    predictions, labels = jnp.asarray(predictions), jnp.asarray(labels)
+    check_class_ids("labels", labels)
+    floating = jnp.issubdtype(predictions.dtype, jnp.floating)
+    if predictions.ndim == labels.ndim + 1 and predictions.shape[-1] == 1 and floating:
+        predictions = predictions[..., 0]  # one score per example: binary
+    if predictions.ndim == labels.ndim + 1:
+        classes = predictions.shape[-1]
+        if num_classes is not None and classes != num_classes:
+            raise InputError(
+                f"predictions have {classes} classes (shape {predictions.shape}) but num_classes={num_classes}; "
+                f"expected scores of shape {labels.shape + (num_classes,)}. Fix: set num_classes={classes}, "
+                "or check the model's output."
+            )
+        return jnp.argmax(predictions, axis=-1).astype(jnp.int32), jnp.zeros(labels.shape, bool), classes
+    if predictions.shape != labels.shape:
+        raise InputError(
+            f"predictions of shape {predictions.shape} do not fit labels of shape {labels.shape}; expected class "
+            f"ids of shape {labels.shape}, binary scores of shape {labels.shape}, or scores with a class axis "
+            f"{labels.shape + ('num_classes',)}."
+        )
+    if not floating:
+        check_class_ids("predictions", predictions)
+        return predictions.astype(jnp.int32), jnp.zeros(labels.shape, bool), num_classes
+    if num_classes not in (None, 2):
+        raise InputError(
+            f"predictions are {predictions.dtype} of shape {predictions.shape} with num_classes={num_classes}; "
+            "floats shaped like the labels are binary scores, and class ids are never truncated from floats. "
+            f"Fix: pass integer class ids, or the scores with a class axis {labels.shape + (num_classes,)}."
+        )
+    if threshold is None:
+        threshold = 0.0 if from_logits else 0.5
+    invalid = jnp.isnan(predictions) if from_logits else ~((predictions >= 0) & (predictions <= 1))
+    return (predictions > threshold).astype(jnp.int32), invalid, 2
+
+
+_NO_LABEL = np.iinfo(np.int32).max  # an empty slot of LabelRange.smallest
+
+
+def _smallest_distinct(values):
+    """The ``FIRST_LABELS`` smallest distinct ``values``, padded with ``_NO_LABEL`` (device or host)."""
+    if isinstance(values, np.ndarray):
+        distinct = np.unique(values)[:FIRST_LABELS]
+        return np.pad(distinct, (0, FIRST_LABELS - len(distinct)), constant_values=_NO_LABEL).astype(values.dtype)
+    return jnp.unique(values, size=FIRST_LABELS, fill_value=_NO_LABEL)
+
+
+class LabelRange(Metric):
+    """Valid labels outside the classes: how many, and the smallest ``FIRST_LABELS`` distinct values
+    among them (a set, so that merging stays commutative)."""
+
+    count: jax.Array
+    smallest: jax.Array
+
+    @classmethod
+    def from_labels(cls, labels, outside):
+        labels, outside = jnp.ravel(labels).astype(jnp.int32), jnp.ravel(outside)
+        return cls(_count(outside), _smallest_distinct(jnp.where(outside, labels, _NO_LABEL)))
+
+    @classmethod
+    def empty(cls):
+        return cls(np.int32(0), np.full(FIRST_LABELS, _NO_LABEL, np.int32))
+
+    def merge(self, other):
+        xp = _xp(self.smallest)
+        return LabelRange(self.count + other.count, _smallest_distinct(xp.concatenate([self.smallest, other.smallest])))
+
+    def values(self) -> list[int]:
+        return [int(v) for v in np.asarray(self.smallest) if v != _NO_LABEL]
+
+    def message(self, num_classes: int, examples: str = "valid labels") -> str:
+        """One line naming the labels outside ``0..num_classes-1``, or ``""`` if there are none."""
+        if not self.count:
+            return ""
+        values = self.values()
+        more = ", ..." if len(values) == FIRST_LABELS else ""
+        return (
+            f"{int(self.count)} {examples} are outside the classes 0..{num_classes - 1} (values "
+            f"{', '.join(map(str, values))}{more}); expected "
+            f"class ids 0..{num_classes - 1}. Fix: check the labels of the input, or the number of classes."
+        )
+
+    def compute(self) -> dict[str, float]:
+        return {}
+
+
+def _label_range(labels, valid, num_classes) -> LabelRange:
+    labels = jnp.asarray(labels)
+    if num_classes is None or labels.dtype == jnp.bool_:
+        return LabelRange.from_labels(labels, jnp.zeros(labels.shape, bool))
+    return LabelRange.from_labels(labels, valid & ((labels < 0) | (labels >= num_classes)))
+
+
+def _check_labels(state) -> None:
+    message = state.labels.message(state.num_classes)
+    if message:
+        raise InputError(message)
+
+
+def _nonfinite_rows(values, mask) -> jax.Array:
+    """Valid rows (examples) with a NaN or Inf value."""
+    finite = jnp.isfinite(values).reshape(values.shape[0], -1)
+    return _count(mask & ~jnp.all(finite, axis=1))
+
+
+def _nonfinite_note(nonfinite, rows) -> str:
+    return f"{int(nonfinite)} of {int(rows)} examples have NaN or Inf values" if nonfinite else ""
 
 
 class MeanState(Metric):
     total: jax.Array
     count: jax.Array  # int32 without weights, the sum of weights with them
+    rows: jax.Array  # valid examples
+    nonfinite: jax.Array  # valid examples with a NaN or Inf value: named when the mean is not finite
 
     @classmethod
     def from_batch(cls, values, weights=None, *, mask):
         values = jnp.asarray(values, jnp.float32)
+        rows = _count(mask)
         if values.ndim == 0:  # a batch-level scalar: only where nothing is padded (checked by the engine)
-            valid = _count(mask)
-            return cls(values * valid, valid)
+            nonfinite = jnp.where(jnp.isfinite(values), 0, rows)
+            return cls(values * rows, rows, rows, nonfinite)
+        bad = _nonfinite_rows(values, mask)
         valid = _mask_like(mask, values)
         if weights is None:
             # where(), not multiply: a NaN on a padded row must not leak into the sum.
-            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid))
+            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid), rows, bad)
         weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), values.shape)
-        return cls(jnp.sum(jnp.where(valid, values * weights, 0.0)), jnp.sum(jnp.where(valid, weights, 0.0)))
+        total = jnp.sum(jnp.where(valid, values * weights, 0.0))
+        return cls(total, jnp.sum(jnp.where(valid, weights, 0.0)), rows, bad)
 
     @classmethod
     def empty(cls):
-        return cls(np.float32(0), np.int32(0))
+        return cls(np.float32(0), np.int32(0), np.int32(0), np.int32(0))
 
     def merge(self, other):
-        return MeanState(self.total + other.total, self.count + other.count)
+        return MeanState(
+            self.total + other.total, self.count + other.count, self.rows + other.rows, self.nonfinite + other.nonfinite
+        )
 
     def compute(self) -> float:
         count = float(self.count)
         return float(self.total) / count if count else float("nan")
+
+    def nan_note(self) -> str:
+        return _nonfinite_note(self.nonfinite, self.rows)
 
 
 class SumState(Metric):
@@ -192,79 +329,117 @@ class MomentsState(Metric):
 
 
 class HitsState(Metric):
-    """Hits among counted examples (accuracy, top-k accuracy); labels outside the classes are counted apart."""
+    """Hits among counted examples (accuracy, top-k accuracy); labels outside the classes and invalid
+    binary scores are counted apart, and make ``compute`` raise."""
 
     hits: jax.Array
     count: jax.Array
-    out_of_range: jax.Array
+    labels: LabelRange
+    bad_scores: jax.Array
+    num_classes: int | None = static(None)  # of the scores; None for class ids (labels then unchecked)
 
     @classmethod
-    def empty(cls):
-        return cls(np.int32(0), np.int32(0), np.int32(0))
+    def empty(cls, num_classes=None):
+        return cls(np.int32(0), np.int32(0), LabelRange.empty(), np.int32(0), num_classes)
 
     @classmethod
-    def from_hits(cls, hits, valid, out_of_range):
-        return cls(_count(jnp.where(valid, hits, False)), _count(valid), _count(out_of_range))
-
-    @classmethod
-    def from_batch(cls, predictions, labels, *, mask, k=None):
+    def from_batch(cls, predictions, labels, *, mask, k=None, threshold=None, from_logits=False):
         labels = jnp.asarray(labels)
         valid = _mask_like(mask, labels)
-        if k is None:  # accuracy: predicted ids (or scores over classes) equal to the labels
-            return cls.from_hits(_class_ids(predictions, labels) == labels, valid, jnp.zeros_like(valid))
-        scores = jnp.asarray(predictions, jnp.float32)
-        num_classes = scores.shape[-1]
-        in_range = (labels >= 0) & (labels < num_classes)
-        label_score = jnp.take_along_axis(scores, jnp.where(in_range, labels, 0)[..., None], axis=-1)
-        # In the top k when fewer than k classes score strictly higher (ties count as hits, like tf.nn.in_top_k).
-        higher = jnp.sum(scores > label_score, axis=-1)
-        return cls.from_hits(in_range & (higher < k), valid, valid & ~in_range)
+        if k is None:  # accuracy: predicted ids (argmax of scores, thresholded binary scores) equal to the labels
+            ids, invalid, num_classes = predicted_ids(predictions, labels, threshold=threshold, from_logits=from_logits)
+            hits = ids == labels
+        else:
+            check_class_ids("labels", labels)
+            scores = jnp.asarray(predictions, jnp.float32)
+            num_classes = scores.shape[-1]
+            safe = jnp.where((labels >= 0) & (labels < num_classes), labels, 0)
+            label_score = jnp.take_along_axis(scores, safe[..., None], axis=-1)[..., 0]
+            # In the top k when fewer than k classes score strictly higher (ties count as hits, like tf.nn.in_top_k).
+            hits, invalid = jnp.sum(scores > label_score[..., None], axis=-1) < k, jnp.zeros(labels.shape, bool)
+        outside = _label_range(labels, valid, num_classes)
+        in_range = (labels >= 0) & (labels < num_classes) if num_classes is not None else True
+        return cls(_count(valid & hits & in_range), _count(valid), outside, _count(valid & invalid), num_classes)
 
     def merge(self, other):
-        return HitsState(self.hits + other.hits, self.count + other.count, self.out_of_range + other.out_of_range)
+        return HitsState(
+            self.hits + other.hits,
+            self.count + other.count,
+            self.labels.merge(other.labels),
+            self.bad_scores + other.bad_scores,
+            self.num_classes,
+        )
 
     def compute(self) -> float:
-        if self.out_of_range:
-            raise ValueError(
-                f"{int(self.out_of_range)} valid labels are outside the classes of the scores; expected class "
-                "ids 0..num_classes-1. Fix: check the labels, or the number of classes of the model's output."
-            )
+        _check_labels(self)
+        _check_scores(self.bad_scores)
         return float(_divide(self.hits, self.count)) if self.count else float("nan")
 
 
+def _check_scores(bad_scores) -> None:
+    if bad_scores:
+        raise InputError(
+            f"{int(bad_scores)} valid binary scores are outside [0, 1] or NaN; expected probabilities (or "
+            "logits with from_logits=True). Fix: pass jax.nn.sigmoid(logits), or from_logits=True."
+        )
+
+
 class ConfusionState(Metric):
-    """``matrix[true, predicted]`` counts (scikit-learn's orientation) of valid rows."""
+    """``matrix[true, predicted]`` counts (scikit-learn's orientation) of valid rows; labels outside the
+    classes, predicted ids outside them and invalid binary scores are counted apart."""
 
     matrix: jax.Array
-    out_of_range: jax.Array
+    out_of_range: jax.Array  # valid rows whose predicted id is outside the classes
+    labels: LabelRange
+    bad_scores: jax.Array
     num_classes: int = static()
     per_class: bool = static(False)
 
     @classmethod
-    def from_batch(cls, predictions, labels, *, mask, num_classes, per_class=False):
-        labels = jnp.asarray(labels).astype(jnp.int32)
-        predictions = _class_ids(predictions, labels).astype(jnp.int32)
+    def from_batch(cls, predictions, labels, *, mask, num_classes, per_class=False, threshold=None, from_logits=False):
+        labels = jnp.asarray(labels)
+        predictions, invalid, _ = predicted_ids(
+            predictions, labels, num_classes=num_classes, threshold=threshold, from_logits=from_logits
+        )
+        labels = labels.astype(jnp.int32)
         valid = _mask_like(mask, labels)
-        in_range = (labels >= 0) & (labels < num_classes) & (predictions >= 0) & (predictions < num_classes)
-        cells = jnp.where(valid & in_range, labels * num_classes + predictions, num_classes * num_classes)
+        labels_in = (labels >= 0) & (labels < num_classes)
+        predictions_in = (predictions >= 0) & (predictions < num_classes)
+        counted = valid & labels_in & predictions_in & ~invalid
+        cells = jnp.where(counted, labels * num_classes + predictions, num_classes * num_classes)
         counts = jnp.zeros(num_classes * num_classes, jnp.int32).at[cells.ravel()].add(1, mode="drop")
-        return cls(counts.reshape(num_classes, num_classes), _count(valid & ~in_range), num_classes, per_class)
+        return cls(
+            counts.reshape(num_classes, num_classes),
+            _count(valid & ~predictions_in),
+            _label_range(labels, valid, num_classes),
+            _count(valid & invalid),
+            num_classes,
+            per_class,
+        )
 
     @classmethod
     def empty(cls, num_classes, per_class=False):
-        return cls(np.zeros((num_classes, num_classes), np.int32), np.int32(0), num_classes, per_class)
+        zero = np.int32(0)
+        matrix = np.zeros((num_classes, num_classes), np.int32)
+        return cls(matrix, zero, LabelRange.empty(), zero, num_classes, per_class)
 
     def merge(self, other):
         return ConfusionState(
-            self.matrix + other.matrix, self.out_of_range + other.out_of_range, self.num_classes, self.per_class
+            self.matrix + other.matrix,
+            self.out_of_range + other.out_of_range,
+            self.labels.merge(other.labels),
+            self.bad_scores + other.bad_scores,
+            self.num_classes,
+            self.per_class,
         )
 
     def compute(self) -> dict[str, float]:
+        _check_labels(self)
+        _check_scores(self.bad_scores)
         if self.out_of_range:
-            raise ValueError(
-                f"{int(self.out_of_range)} valid rows have a label or prediction outside [0, {self.num_classes}); "
-                f"expected class ids 0..{self.num_classes - 1}. Fix: set num_classes to the number of classes, "
-                "or check the labels."
+            raise InputError(
+                f"{int(self.out_of_range)} valid predicted class ids are outside [0, {self.num_classes}); "
+                f"expected class ids 0..{self.num_classes - 1}. Fix: set num_classes to the number of classes."
             )
         matrix = np.asarray(self.matrix, np.float64)
         true_positives, predicted, actual = np.diag(matrix), matrix.sum(axis=0), matrix.sum(axis=1)
@@ -293,7 +468,7 @@ class AUCState(Metric):
     positives: jax.Array
     negatives: jax.Array
     bad_scores: jax.Array  # valid rows whose score is outside [0, 1] (or NaN)
-    bad_labels: jax.Array  # valid rows whose label is not 0 or 1
+    labels: LabelRange  # valid rows whose label is not 0 or 1
     num_thresholds: int = static(200)
     curve: str = static("ROC")
     from_logits: bool = static(False)
@@ -319,7 +494,7 @@ class AUCState(Metric):
             histogram(positive),
             histogram(negative),
             _count(valid & ~in_range),
-            _count(valid & ~(positive | negative)),
+            LabelRange.from_labels(labels, valid & ~(positive | negative)),
             num_thresholds,
             curve,
             from_logits,
@@ -328,14 +503,14 @@ class AUCState(Metric):
     @classmethod
     def empty(cls, num_thresholds=200, curve="ROC", from_logits=False):
         zeros = np.zeros(num_thresholds, np.int32)
-        return cls(zeros, zeros, np.int32(0), np.int32(0), num_thresholds, curve, from_logits)
+        return cls(zeros, zeros, np.int32(0), LabelRange.empty(), num_thresholds, curve, from_logits)
 
     def merge(self, other):
         return AUCState(
             self.positives + other.positives,
             self.negatives + other.negatives,
             self.bad_scores + other.bad_scores,
-            self.bad_labels + other.bad_labels,
+            self.labels.merge(other.labels),
             self.num_thresholds,
             self.curve,
             self.from_logits,
@@ -372,9 +547,10 @@ class AUCState(Metric):
                 if self.from_logits
                 else "Fix: pass probabilities (e.g. jax.nn.sigmoid(logits)), or AUC(..., from_logits=True) for logits."
             )
-            raise ValueError(f"{int(self.bad_scores)} valid scores are outside [0, 1]; {hint}")
-        if self.bad_labels:
-            raise ValueError(
-                f"{int(self.bad_labels)} valid labels are neither 0 nor 1; expected binary labels "
-                "(bool or 0/1). Fix: binarise them, e.g. `labels == positive_class`."
+            raise InputError(f"{int(self.bad_scores)} valid scores are outside [0, 1]; {hint}")
+        if self.labels.count:
+            raise InputError(
+                f"{int(self.labels.count)} valid labels are neither 0 nor 1 (values "
+                f"{', '.join(map(str, self.labels.values()))}); expected binary labels (bool or 0/1). "
+                "Fix: binarise them, e.g. `labels == positive_class`."
             )
