@@ -74,8 +74,7 @@ _FOREIGN = {
     ),
     "datasets": (
         "a Hugging Face {name}",
-        "convert its columns to numpy, e.g. `d = dataset.with_format('numpy')[:]` then "
-        "ex.data.from_arrays({'x': d['x']}, d['label'])",
+        "pass ex.data.from_hf(dataset, features=['x', ...], label='label') (pip install 'estimax[hf]')",
     ),
 }
 

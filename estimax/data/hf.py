@@ -108,6 +108,18 @@ class Rows:
         return self._example(self._dataset[int(index)])
 
 
+def _copy(dataset):
+    """A copy of a stream, for one iterator: the position lives in the dataset object.
+
+    Not its Hub filesystem cache, which every dataset of the process shares
+    and other threads write to (Grain makes its workers' iterators on
+    several threads); the copy refers to that cache again when it is built.
+    """
+    from huggingface_hub import HfFileSystem
+
+    return copy.deepcopy(dataset, {id(HfFileSystem._cache): HfFileSystem._cache})
+
+
 class Stream(grain.IterDataset):
     """A streaming ``datasets.IterableDataset`` as a Grain ``IterDataset`` of examples.
 
@@ -126,7 +138,7 @@ class Stream(grain.IterDataset):
         self._dataset = split_dataset_by_node(self._dataset, rank=sl.start or 0, world_size=sl.step or 1)
 
     def __iter__(self) -> StreamIterator:
-        return StreamIterator(self._dataset, self._example)
+        return StreamIterator(_copy(self._dataset).with_format("numpy"), self._example)
 
     def __str__(self) -> str:
         return f"Stream({self._dataset})"
@@ -137,9 +149,7 @@ class StreamIterator(grain.DatasetIterator):
 
     def __init__(self, dataset, example: Example):
         super().__init__()
-        # A copy: the position lives in the dataset object, and each iterator needs its own.
-        self._dataset = copy.deepcopy(dataset).with_format("numpy")
-        self._example = example
+        self._dataset, self._example = dataset, example
         self._rows: Any = None  # the pass over the dataset, once started
 
     def __next__(self):
