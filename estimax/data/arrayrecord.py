@@ -25,8 +25,9 @@ import grain
 
 from estimax import storage
 from estimax.data import files as files_lib
+from estimax.data import tfrecord
 from estimax.data.grain import MapSource, file_source
-from estimax.data.tfrecord import Feature, Parser, serialize
+from estimax.data.tfrecord import Parser, serialize
 from estimax.errors import ConfigError, InputError, StorageError
 
 # Random access: no read-ahead past the record asked for, no thread pool per reader (Grain's choice).
@@ -188,7 +189,7 @@ def _write_local(local: str, name: str, examples: Iterable[Mapping[str, Any]], o
 
 
 def _check_spec(features: Any, label: str | None) -> None:
-    if not isinstance(features, Mapping) or not all(isinstance(f, Feature) for f in features.values()):
+    if not isinstance(features, Mapping) or not all(isinstance(f, tfrecord.Feature) for f in features.values()):
         raise ConfigError(
             f"array_record(features={features!r}); expected a dict of name -> Feature, e.g. "
             "{'image': Feature(np.uint8, (28, 28)), 'label': Feature(np.int32)}."
@@ -202,7 +203,7 @@ def _check_spec(features: Any, label: str | None) -> None:
 
 def source(
     paths: str | os.PathLike | Sequence[str | os.PathLike],
-    features: Mapping[str, Feature],
+    features: Mapping[str, tfrecord.Feature],
     *,
     label: str | None = None,
     num_workers: int = 0,
@@ -233,13 +234,13 @@ class ArrayRecord:
     works; ``num_workers > 0`` reads in Grain worker processes.
     """
 
-    Feature = Feature
+    Feature = tfrecord.Feature
     write = staticmethod(write)
 
     def __call__(
         self,
         paths: str | os.PathLike | Sequence[str | os.PathLike],
-        features: Mapping[str, Feature],
+        features: Mapping[str, tfrecord.Feature],
         *,
         label: str | None = None,
         num_workers: int = 0,

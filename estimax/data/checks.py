@@ -114,7 +114,8 @@ def stack_examples(examples: Sequence) -> tuple:
         check_pair(example, "The dataset")
         leaves, other = jax.tree.flatten(example)
         leaves = [np.asarray(x) for x in leaves]
-        if other != treedef or [(x.shape, x.dtype) for x in leaves] != signature:
+        same_tree = other == treedef  # type: ignore[operator]  # jaxlib's stub of PyTreeDef declares no ==
+        if not same_tree or [(x.shape, x.dtype) for x in leaves] != signature:
             expected = describe(_as_rows(jax.tree.unflatten(treedef, leaves0)))
             found = describe(_as_rows(example), check=False)
             raise ValueError(f"Example {i} of a batch: {difference(expected, found, 'the first example')}")

@@ -74,7 +74,8 @@ def masked_crc(data: bytes) -> int:
 
 def index_records(file: files_lib.File) -> list[tuple[int, int]]:
     """(offset, length) of every record's data in ``file``, checking each length's CRC."""
-    index, offset = [], 0
+    index: list[tuple[int, int]] = []
+    offset = 0
     with file.open() as f:
         while header := f.read(12):
             if len(header) < 12:
@@ -212,7 +213,7 @@ class Parser:
         labels = None if self.label is None else values.pop(self.label)
         return values, labels
 
-    def _decode(self, name: str, spec: Feature, feature, where: str) -> dict[str, np.ndarray]:
+    def _decode(self, name: str, spec: Feature, feature, where: str) -> dict[str, np.ndarray | np.generic]:
         dtype = np.dtype(spec.dtype)
         kind = feature.WhichOneof("kind")
         if kind == "bytes_list":
