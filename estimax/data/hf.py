@@ -40,12 +40,13 @@ class Example:
 
     def __init__(self, features: list[str], label: Columns):
         self.features, self.label = features, label
+        self.columns = features + _names(label)  # every column an example reads
 
     def __call__(self, row: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        missing = [c for c in self._columns() if c not in row]
+        missing = [c for c in self.columns if c not in row]
         if missing:
             raise InputError(
-                f"from_hf: a row has no column {missing[0]!r}; expected the columns {self._columns()} "
+                f"from_hf: a row has no column {missing[0]!r}; expected the columns {self.columns} "
                 f"(the row has {sorted(row)}). Fix: name columns every row has."
             )
         features = {c: row[c] for c in self.features}
@@ -54,9 +55,6 @@ class Example:
         if isinstance(self.label, str):
             return features, row[self.label]
         return features, {c: row[c] for c in self.label}
-
-    def _columns(self) -> list[str]:
-        return self.features + _names(self.label)
 
 
 def _names(columns: Columns) -> list[str]:
@@ -98,7 +96,7 @@ class Rows:
     """The rows of a map-style ``datasets.Dataset`` as examples: a Grain ``RandomAccessDataSource``."""
 
     def __init__(self, dataset, example: Example):
-        self._dataset = dataset.select_columns(example._columns()).with_format("numpy")
+        self._dataset = dataset.select_columns(example.columns).with_format("numpy")
         self._example = example
 
     def __len__(self) -> int:
