@@ -180,7 +180,8 @@ def test_errors_name_the_file_and_the_record(tmp_path):
     tfrecords = tmp_path / "x.tfrecord"
     ex.data.tfrecord.write(tfrecords, [{"x": [1.0, 2.0, 3.0]}] * 3)
     for wrong in (truncated, tfrecords):
-        with pytest.raises(InputError, match=rf"^{wrong}: not a complete ArrayRecord file \(.+\); expected a file"):
+        unreadable = rf"^{wrong}: cannot be opened as an ArrayRecord file \(.+\); expected a complete file written"
+        with pytest.raises(InputError, match=unreadable):
             ex.data.array_record(wrong, {"x": Feature(np.float32, (3,))})
     good = tmp_path / "g.array_record"
     ex.data.array_record.write(good, [{"x": [1.0, 2.0, 3.0]}] * 2 + [{"x": [1.0, 2.0]}])

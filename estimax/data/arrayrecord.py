@@ -56,9 +56,10 @@ def open_reader(name: str, path: str):
     """A reader of the ArrayRecord file ``path`` (shown as ``name``); an unreadable file is an error."""
     reader = _module().ArrayRecordReader(path, READ_OPTIONS)
     if not reader.ok():
+        access = " that Google credentials on this machine may read" if storage.scheme(path) == "gs" else ""
         raise InputError(
-            f"{name}: not a complete ArrayRecord file ({_status(reader)}); expected a file written by "
-            f"ArrayRecordWriter. {_FIX}"
+            f"{name}: cannot be opened as an ArrayRecord file ({_status(reader)}); expected a complete file "
+            f"written by ArrayRecordWriter{access}. {_FIX}"
         )
     return reader
 
