@@ -8,8 +8,39 @@ estimax.cli`` (``estimax --help``, argument errors) does not import JAX, and
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run time, imported on first use
+    from estimax import data as data
+    from estimax import distributed as distributed
+    from estimax import metrics as metrics
+    from estimax import models as models
+    from estimax import serving as serving
+    from estimax import task as task
+    from estimax import trackers as trackers
+    from estimax.checkpoint import CheckpointError as CheckpointError
+    from estimax.config import CheckpointPolicy as CheckpointPolicy
+    from estimax.config import RunConfig as RunConfig
+    from estimax.diagnose import ModelFnError as ModelFnError
+    from estimax.estimator import Estimator as Estimator
+    from estimax.estimator import UntrainedWarning as UntrainedWarning
+    from estimax.hooks import EarlyStopping as EarlyStopping
+    from estimax.hooks import Hook as Hook
+    from estimax.lock import ModelDirLocked as ModelDirLocked
+    from estimax.lock import ModelDirNotWritable as ModelDirNotWritable
+    from estimax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+    from estimax.preemption import Interrupted as Interrupted
+    from estimax.preemption import Preempted as Preempted
+    from estimax.spec import EVAL as EVAL
+    from estimax.spec import PREDICT as PREDICT
+    from estimax.spec import TRAIN as TRAIN
+    from estimax.spec import Mode as Mode
+    from estimax.spec import Spec as Spec
+    from estimax.state import TrainState as TrainState
+    from estimax.training import NonFiniteError as NonFiniteError
+    from estimax.warm_start import WarmStart as WarmStart
 
 _SUBMODULES = ("data", "distributed", "metrics", "models", "serving", "task", "trackers")
 _NAMES = {

@@ -1,7 +1,10 @@
-"""Inputs: arrays, Grain datasets, MNIST idx and TFRecord files, and the feed that moves batches onto the mesh."""
+"""Inputs: arrays, Grain datasets, MNIST idx, TFRecord and ArrayRecord files, Hugging Face datasets,
+and the feed that moves batches onto the mesh."""
 
 from estimax.data import idx, tfrecord
+from estimax.data.arrayrecord import array_record
 from estimax.data.arrays import ArrayDataset, from_arrays
 from estimax.data.grain import from_grain
+from estimax.data.hf import from_hf
 
-__all__ = ["ArrayDataset", "from_arrays", "from_grain", "idx", "tfrecord"]
+__all__ = ["ArrayDataset", "array_record", "from_arrays", "from_grain", "from_hf", "idx", "tfrecord"]

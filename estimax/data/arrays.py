@@ -52,7 +52,7 @@ class ArrayDataset:
         so ``grain.MapDataset.source(from_arrays(...))`` composes Grain transforms on arrays."""
         return self._take(index)
 
-    def _take(self, index: np.ndarray):
+    def _take(self, index: int | np.ndarray):
         """(features, labels) of the rows ``index``; a 2-D index gives stacked batches."""
         return jax.tree.map(lambda x: x[index], (self.features, self.labels))
 

@@ -74,8 +74,7 @@ _FOREIGN = {
     ),
     "datasets": (
         "a Hugging Face {name}",
-        "convert its columns to numpy, e.g. `d = dataset.with_format('numpy')[:]` then "
-        "ex.data.from_arrays({'x': d['x']}, d['label'])",
+        "pass ex.data.from_hf(dataset, features=['x', ...], label='label') (pip install 'estimax[hf]')",
     ),
 }
 
@@ -115,7 +114,8 @@ def stack_examples(examples: Sequence) -> tuple:
         check_pair(example, "The dataset")
         leaves, other = jax.tree.flatten(example)
         leaves = [np.asarray(x) for x in leaves]
-        if other != treedef or [(x.shape, x.dtype) for x in leaves] != signature:
+        same_tree = other == treedef  # type: ignore[operator]  # jaxlib's stub of PyTreeDef declares no ==
+        if not same_tree or [(x.shape, x.dtype) for x in leaves] != signature:
             expected = describe(_as_rows(jax.tree.unflatten(treedef, leaves0)))
             found = describe(_as_rows(example), check=False)
             raise ValueError(f"Example {i} of a batch: {difference(expected, found, 'the first example')}")

@@ -125,7 +125,7 @@ def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
             for buffer, leaf in zip(buffers, leaves, strict=True):
                 buffer[count] = leaf
             count += 1
-        if count:
+        if buffers is not None:  # at least one batch was drawn
             yield jax.tree.unflatten(treedef, [b[:count] for b in buffers])
         if count < size:
             return

@@ -50,7 +50,7 @@ class _CheckedGzip(gzip.GzipFile):
         super().__init__(fileobj=handle)
         self._display = display
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int | None = -1) -> bytes:
         try:
             return super().read(size)
         except (EOFError, gzip.BadGzipFile, zlib.error) as error:
@@ -74,7 +74,7 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
     name matches nothing."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
-    files = []
+    files: list[File] = []
     for pattern in map(storage.expand, paths):
         fs, path = fsspec.core.url_to_fs(pattern)
         matches = sorted(fs.glob(path)) if glob_lib.has_magic(path) else [path] if fs.isfile(path) else []

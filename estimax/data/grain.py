@@ -6,7 +6,9 @@ own transformations: the per-process shard (slicing), the per-epoch shuffle
 inside each epoch, repeat, optional worker processes (``mp_prefetch``), and a
 streaming pipeline's position through Grain's ``get_state``/``set_state``.
 Elements are ``(features, labels)`` examples; ``checks.stack_examples`` batches
-them. Does not own file formats (``idx``, ``tfrecord``) nor devices (``feed``).
+them. ``file_source`` shards the records of files over processes for the file
+formats; it does not own any format (``idx``, ``tfrecord``, ``arrayrecord``) nor
+devices (``feed``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import numpy as np
 
 from estimax.data import feed
+from estimax.data import files as files_lib
 from estimax.data.checks import BatchChecker, stack_examples
 
 Shard = Callable[[int, int], grain.MapDataset]
@@ -88,6 +91,31 @@ class MapSource:
 
     def _read(self, dataset: grain.MapDataset) -> Iterator:
         return iter(_with_workers(dataset.to_iter_dataset(self.read_options), self.num_workers))
+
+
+def file_source(
+    files: list[files_lib.File],
+    records: Callable[[list[files_lib.File]], Any],
+    parse: Callable[[Any], Any],
+    *,
+    num_workers: int = 0,
+    read_options: grain.ReadOptions | None = None,
+) -> MapSource:
+    """A random-access input over the records of ``files``, each turned into an example by ``parse``.
+
+    ``records(some_files)`` is a Grain ``RandomAccessDataSource`` of the
+    records of those files, in order. With at least as many files as
+    processes, process ``i`` of ``n`` reads files ``i::n`` (no process opens
+    another's files); otherwise records ``i::n`` of all files.
+    """
+
+    def shard(process_index: int, process_count: int) -> grain.MapDataset:
+        mine = files_lib.for_process(files, process_index, process_count)
+        if mine is None:
+            return grain.MapDataset.source(records(files))[process_index::process_count].map(parse)
+        return grain.MapDataset.source(records(mine)).map(parse)
+
+    return MapSource(shard, len(shard(0, 1)), num_workers=num_workers, read_options=read_options)
 
 
 class IterSource:

@@ -21,7 +21,7 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from estimax.data import files as files_lib
-from estimax.data.grain import MapSource
+from estimax.data.grain import MapSource, file_source
 from estimax.records import frame, masked_crc
 
 
@@ -69,7 +69,8 @@ Example = _example_class()
 
 def index_records(file: files_lib.File) -> list[tuple[int, int]]:
     """(offset, length) of every record's data in ``file``, checking each length's CRC."""
-    index, offset = [], 0
+    index: list[tuple[int, int]] = []
+    offset = 0
     with file.open() as f:
         while header := f.read(12):
             if len(header) < 12:
@@ -129,28 +130,34 @@ class Records:
         return file.name, record, data[:length]
 
 
-def write(path: str | os.PathLike, examples: Iterable[Mapping[str, Any]]) -> None:
-    """Writes ``{name: values}`` examples as TFRecords of ``tf.train.Example`` (any fsspec path).
+def serialize(features: Mapping[str, Any]) -> bytes:
+    """One ``{name: values}`` example as a serialized ``tf.train.Example``.
 
     Floats go to ``float_list``, integers and booleans to ``int64_list``,
     ``bytes`` to ``bytes_list``.
     """
+    example = Example()
+    for name, value in features.items():
+        feature = example.features.feature[name]
+        if isinstance(value, bytes):
+            feature.bytes_list.value.append(value)
+            continue
+        value = np.asarray(value).ravel()
+        if value.dtype.kind == "f":
+            feature.float_list.value.extend(value.tolist())
+        else:
+            feature.int64_list.value.extend(value.astype(np.int64).tolist())
+    return example.SerializeToString()
+
+
+def write(path: str | os.PathLike, examples: Iterable[Mapping[str, Any]]) -> None:
+    """Writes ``{name: values}`` examples as TFRecords of ``tf.train.Example`` (any fsspec path);
+    values are encoded as ``serialize`` says."""
     import fsspec
 
     with fsspec.open(os.fspath(path), "wb") as f:
         for features in examples:
-            example = Example()
-            for name, value in features.items():
-                feature = example.features.feature[name]
-                if isinstance(value, bytes):
-                    feature.bytes_list.value.append(value)
-                    continue
-                value = np.asarray(value).ravel()
-                if value.dtype.kind == "f":
-                    feature.float_list.value.extend(value.tolist())
-                else:
-                    feature.int64_list.value.extend(value.astype(np.int64).tolist())
-            f.write(frame(example.SerializeToString()))
+            f.write(frame(serialize(features)))
 
 
 # -- examples ----------------------------------------------------------------
@@ -199,7 +206,7 @@ class Parser:
         labels = None if self.label is None else values.pop(self.label)
         return values, labels
 
-    def _decode(self, name: str, spec: Feature, feature, where: str) -> dict[str, np.ndarray]:
+    def _decode(self, name: str, spec: Feature, feature, where: str) -> dict[str, np.ndarray | np.generic]:
         dtype = np.dtype(spec.dtype)
         kind = feature.WhichOneof("kind")
         if kind == "bytes_list":
@@ -247,15 +254,11 @@ def tfrecord(
     access (records are indexed on first use): shuffled each epoch, seekable
     by step, ``train(epochs=...)`` works.
     """
-    all_files = files_lib.expand(paths)
-    parser, indexes = Parser(features, label), {}
-
-    def shard(process_index: int, process_count: int) -> grain.MapDataset:
-        mine = files_lib.for_process(all_files, process_index, process_count)
-        if mine is None:
-            records = grain.MapDataset.source(Records(all_files, indexes))[process_index::process_count]
-        else:
-            records = grain.MapDataset.source(Records(mine, indexes))
-        return records.map(parser)
-
-    return MapSource(shard, len(shard(0, 1)), num_workers=num_workers, read_options=read_options)
+    indexes: dict[str, list[tuple[int, int]]] = {}  # shared by the shards' Records
+    return file_source(
+        files_lib.expand(paths),
+        lambda files: Records(files, indexes),
+        Parser(features, label),
+        num_workers=num_workers,
+        read_options=read_options,
+    )
