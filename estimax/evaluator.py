@@ -22,6 +22,7 @@ from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
+from estimax.data.source import SizedSource
 from estimax.loop import EvalRunner
 from estimax.progress import EvalProgress
 
@@ -101,5 +102,5 @@ class Evaluator:
 
     def _bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
         shown = not self.quiet and jax.process_index() == 0 and sys.stderr.isatty()
-        total = -(-len(input) // batch_size) if hasattr(input, "steps_per_epoch") else None
+        total = -(-len(input) // batch_size) if isinstance(input, SizedSource) else None
         return EvalProgress(min(filter(None, (total, steps)), default=None), shown)

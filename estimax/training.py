@@ -21,6 +21,7 @@ import numpy as np
 
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
+from estimax.data.source import SizedSource
 from estimax.distributed import Sync
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
 from estimax.loop import read_outputs
@@ -292,7 +293,7 @@ def target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int
 
 
 def steps_per_epoch(input, host_batch: int, required: bool = True) -> int | None:
-    if not hasattr(input, "steps_per_epoch"):
+    if not isinstance(input, SizedSource):
         if not required:
             return None
         raise TypeError(

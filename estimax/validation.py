@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from estimax.data.source import Source
 from estimax.hooks import EarlyStopping, Hook
 
 
@@ -63,7 +64,7 @@ def check_metric_names(used: dict[str, str], names: list[str]) -> None:
 def first_eval_batch(source, host_batch_size: int):
     """The first host batch of an input that can be read again without side effects
     (``from_arrays``, Grain and file sources), else ``None``."""
-    if not hasattr(source, "eval_batches"):
+    if not isinstance(source, Source):
         return None
     batches = source.eval_batches(host_batch_size, process_index=0, process_count=1)
     return next(iter(batches), None)

@@ -22,6 +22,7 @@ import numpy as np
 
 from estimax import mesh as mesh_lib
 from estimax.data.checks import BatchChecker, check_pair, check_source
+from estimax.data.source import Source
 
 __all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "train_stacks", "eval_batches"]
 
@@ -93,7 +94,7 @@ def train_stacks(
     check_source(source)
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
-    if hasattr(source, "train_stacks"):
+    if isinstance(source, Source):
         kwargs = {} if input_state is None else {"input_state": input_state}
         stacks = source.train_stacks(
             host_batch_size,
@@ -143,7 +144,7 @@ def eval_batches(
     Plain iterables must yield the same number of batches on every process.
     """
     check_source(source)
-    if hasattr(source, "eval_batches"):
+    if isinstance(source, Source):
         return source.eval_batches(
             host_batch_size,
             process_index=jax.process_index() if process_index is None else process_index,
