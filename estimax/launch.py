@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from estimax import clusters
 from estimax.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port
+from estimax.errors import ConfigError, DistributedError
 from estimax.preemption import PREEMPTED_EXIT_CODE
 
 RESTART_ENV = "ESTIMAX_RESTART"  # 0 for the first start of the group, then 1, 2, ...
@@ -57,6 +58,7 @@ def launch(
             raise ValueError(f"launch({name}={value!r}); expected an integer >= {least}.")
     if devices_per_process is not None and devices_per_process < 1:
         raise ValueError(f"launch(devices_per_process={devices_per_process!r}); expected an integer >= 1.")
+    _refuse_inside_a_group(os.environ)
     printer = _Printer(output or sys.stdout)
     for restart in range(max_restarts + 1):
         group = _Group(command, num_processes, devices_per_process, restart, printer)
@@ -187,3 +189,18 @@ def _describe(code: int) -> str:
 
 def _exit_code(code: int) -> int:
     return 128 - code if code < 0 else code
+
+
+def _refuse_inside_a_group(env) -> None:
+    """One launcher per machine: a copy in every task of a larger group would each start a group."""
+    try:
+        placement = clusters.detect(env)
+    except DistributedError:  # incomplete variables: the children do not see them anyway
+        return
+    if placement is not None and placement.num_processes != 1:
+        raise ConfigError(
+            f"estimax launch runs in a process of a {placement.manager} group; expected one launcher per "
+            "machine: each copy would start a group of its own. Fix: start it as one task (`srun --ntasks=1 "
+            f"--nodes=1 estimax launch ...`), or let {placement.manager} start every process without estimax "
+            "launch (`srun estimax train ...`)."
+        )

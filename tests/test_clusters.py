@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from test_distributed import JOB, STEPS, _env, _max_difference, _one_process, _result
+from test_distributed import JOB, STEPS, _env, _launcher, _max_difference, _one_process, _result, _steps
 
 from estimax import clusters
 from estimax.distributed import free_port
@@ -222,3 +222,28 @@ def test_sigusr1_saves_and_exits_for_requeue(tmp_path):
     assert process.returncode == 75, out
     assert "SIGUSR1 received: finishing the current loop, then saving and exiting." in out
     assert any(name.isdigit() for name in os.listdir(os.path.join(model_dir, "checkpoints")))
+
+
+def test_launch_inside_a_step_of_many_tasks_is_refused():
+    env = _env(SLURM_JOB_ID="9", SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_LOCALID="1")
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--", sys.executable, "-c", ""]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "a process of a SLURM group; expected one launcher per machine" in result.stderr
+
+
+def test_sigusr1_to_every_process_of_a_group_saves_one_step(tmp_path):
+    """`--signal=USR1@90` reaches every task of the step: the group saves one step and exits 75."""
+    model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
+    group = _launcher(model_dir, out_dir, "train", str(STEPS), "0.5")
+    for line in group.stdout:  # a train line of process 0: the group trains (a readiness line, not a sleep)
+        if "estimax  train step" in line:
+            break
+    while not all(os.path.exists(f"{out_dir}/pid-{i}") for i in range(2)):
+        assert group.poll() is None, group.communicate()[0]
+    for i in range(2):
+        with open(f"{out_dir}/pid-{i}") as f:
+            os.kill(int(f.read()), signal.SIGUSR1)
+    out = group.communicate(timeout=120)[0]
+    assert group.returncode == 75, out
+    assert "SIGUSR1 received: handled as SIGTERM" in out
+    assert max(_steps(model_dir)) < STEPS  # stopped early, at one saved step
