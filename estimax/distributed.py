@@ -19,7 +19,7 @@ import time
 import jax
 
 from estimax import clusters
-from estimax.errors import ConfigError, DistributedError
+from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
 
 logger = logging.getLogger("estimax")
 
@@ -142,8 +142,7 @@ def _client():
     return jax_distributed.global_state.client
 
 
-class SyncTimeout(RuntimeError):
-    """A barrier was not reached by every process in time."""
+SyncTimeout = SyncTimeoutError  # the name of earlier releases
 
 
 class Sync:
@@ -152,7 +151,7 @@ class Sync:
     With one process everything here is free and does nothing. With several,
     ``status(what)`` records what this process is doing (one small write to
     JAX's coordination service), and ``barrier(what)`` waits for every
-    process; past ``timeout_seconds`` it raises ``SyncTimeout`` naming the
+    process; past ``timeout_seconds`` it raises ``SyncTimeoutError`` naming the
     processes that did not arrive and what they last reported.
     """
 
@@ -175,7 +174,7 @@ class Sync:
         try:
             self._client.wait_at_barrier(f"estimax/{self._count}", int(self.timeout_seconds * 1000))
         except Exception as error:  # jax's JaxRuntimeError: DEADLINE_EXCEEDED, or a peer gone
-            raise SyncTimeout(self._late(what, arrived, time.monotonic() - started, error)) from error
+            raise SyncTimeoutError(self._late(what, arrived, time.monotonic() - started, error)) from error
 
     def share(self, what: str, value: str = "") -> str:
         """Process 0's ``value`` on every process (e.g. the outcome of taking the model_dir's lock);
@@ -191,7 +190,7 @@ class Sync:
         try:
             return self._client.blocking_key_value_get(key, int(self.timeout_seconds * 1000))
         except Exception as error:
-            raise SyncTimeout(
+            raise SyncTimeoutError(
                 f"Process {jax.process_index()} waited {self.timeout_seconds:g} s for process 0 ({what}); "
                 f"JAX said: {str(error).splitlines()[0] if str(error) else type(error).__name__}. Fix: look at "
                 "process 0's log."

@@ -40,5 +40,9 @@ class DistributedError(EstimaxError, RuntimeError):
     """The process group cannot be formed or a peer is missing."""
 
 
+class SyncTimeoutError(DistributedError):
+    """A barrier was not reached by every process in time (the late ones are named)."""
+
+
 class WriterError(EstimaxError, OSError):
     """A metrics, TensorBoard or tracker writer failed or stalled (a full disk, an unreachable server)."""
