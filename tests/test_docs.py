@@ -148,3 +148,12 @@ def test_python_blocks_run(page, tmp_path, monkeypatch):
         ran += 1
     if ran == 0:
         pytest.skip("every block on this page is marked no-run")
+
+
+def test_cli_help_points_to_existing_pages():
+    done = subprocess.run(
+        [sys.executable, "-m", "estimax", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    pages = re.findall(r"docs/[\w/.-]+\.md", done.stdout.replace("\n", " "))
+    assert done.returncode == 0 and pages, done.stdout + done.stderr
+    assert all((ROOT / page).is_file() for page in pages), pages
