@@ -29,10 +29,14 @@ EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
+DOCS_EPILOG = (
+    "Documentation: docs/ in the source tree (mkdocs serve shows it as a site): docs/getting-started.md, "
+    "docs/guides/command-line.md (every flag), docs/guides/task-modules.md (your own program)."
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="estimax", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="estimax", description=__doc__.splitlines()[0], epilog=DOCS_EPILOG)
     parser.add_argument("--version", action=_Version, help="show the versions of estimax, Python, jax and flax")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in (

@@ -24,9 +24,13 @@ from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
 logger = logging.getLogger("estimax")
 
 COORDINATOR_ENV = "ESTIMAX_COORDINATOR"
+"""The variable naming the coordinator's ``host:port`` of a process group."""
 NUM_PROCESSES_ENV = "ESTIMAX_NUM_PROCESSES"
+"""The variable with the number of processes in the group."""
 PROCESS_ID_ENV = "ESTIMAX_PROCESS_ID"
-ALL_LOGS_ENV = "ESTIMAX_LOG_ALL_PROCESSES"  # "1": every process logs INFO lines, not only process 0
+"""The variable with this process's index in the group, from 0."""
+ALL_LOGS_ENV = "ESTIMAX_LOG_ALL_PROCESSES"
+"""The variable that, set to ``1``, makes every process log INFO lines, not only process 0."""
 _STATUS_KEY = "estimax/status/"
 
 

@@ -31,6 +31,8 @@ import jax
 logger = logging.getLogger("estimax")
 
 PREEMPTED_EXIT_CODE = 75
+"""The exit status after a preemption signal (SIGTERM, SIGUSR1) was answered with a checkpoint:
+``EX_TEMPFAIL``, which tells a supervisor to start the job again."""
 
 
 class Preempted(SystemExit):

@@ -19,8 +19,11 @@ class Mode(enum.StrEnum):
 
 
 TRAIN = Mode.TRAIN
+"""Training: ``Spec.loss`` is required; dropout and batch norm are in train behaviour."""
 EVAL = Mode.EVAL
+"""Evaluation: ``Spec.loss`` and ``Spec.metrics`` are averaged over every valid example once."""
 PREDICT = Mode.PREDICT
+"""Prediction: ``Spec.predictions`` is required; labels are ``None`` when the input has none."""
 
 
 class Spec(NamedTuple):

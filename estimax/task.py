@@ -41,12 +41,14 @@ from collections.abc import Mapping
 from types import ModuleType
 
 REQUIRED = ("model", "model_fn", "optimizer", "train_input", "eval_input", "params")
+"""The names every task module defines."""
 CONVENTION = (
     "a task module defines model (the factory (rngs, params) -> module, or a wrapped model), model_fn, "
     "optimizer (an optax transformation, or a function of params returning one), train_input(params), "
     "eval_input(params) and params (a dict of defaults); optionally predict_input(params), "
     "prediction_record(row), DEFAULTS and SHARDING_RULES"
 )
+"""The task convention in one sentence, as errors about a task module quote it."""
 
 
 @dataclasses.dataclass(frozen=True)

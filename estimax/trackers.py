@@ -57,13 +57,14 @@ class MLflow:
 
 
 TRACKERS = {"mlflow": MLflow}
+"""The trackers by the name ``--trackers`` and ``RunConfig`` take."""
 
-# How long MLflow's client waits for a tracking server: 2 retries, 10 s each, 1 s backoff factor.
 SERVER_PATIENCE = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
 }
+"""How long MLflow's client waits for a tracking server: 2 retries, 10 s each, 1 s backoff factor."""
 
 
 def resolve(trackers: Sequence) -> tuple:

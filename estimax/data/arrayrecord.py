@@ -254,3 +254,6 @@ class ArrayRecord:
 
 
 array_record = ArrayRecord()
+"""``array_record(paths, features, label=...)``: a random-access source of ArrayRecord files of
+``tf.train.Example`` records; ``array_record.write(path, examples)`` writes one, and
+``array_record.Feature`` describes a feature."""

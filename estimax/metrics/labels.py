@@ -18,7 +18,8 @@ from estimax.errors import InputError
 from estimax.metrics.protocol import Metric
 from estimax.metrics.states import FIRST_LABELS, LabelRange
 
-LOSS_LABELS = "loss_labels"  # the training output: [count, the first labels] of non-finite-loss examples
+LOSS_LABELS = "loss_labels"
+"""The key of a training output: the count and the first labels of the examples whose loss was not finite."""
 
 
 def loss_labels(loss, labels):

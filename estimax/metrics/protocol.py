@@ -24,7 +24,8 @@ from estimax.errors import EstimaxError
 
 logger = logging.getLogger("estimax")
 
-NUM_EXAMPLES = "num_examples"  # the count of valid examples every evaluation reports
+NUM_EXAMPLES = "num_examples"
+"""The key of the count of valid examples that every evaluation reports."""
 
 
 # -- the protocol ---------------------------------------------------------------
@@ -139,6 +140,7 @@ def _is_array(value) -> bool:
 
 
 def is_metric_inputs(value) -> bool:
+    """Whether a ``Spec.metrics`` value is a mergeable metric's inputs (``Inputs``), not plain values to average."""
     return isinstance(value, Inputs)
 
 

@@ -175,6 +175,9 @@ def _nonfinite_note(nonfinite, rows) -> str:
 
 
 class MeanState(Metric):
+    """The state of ``Mean``: the (weighted) total and count of the valid values, the valid rows, and
+    how many of them were NaN or Inf; merged by adding, the mean is ``total / count``."""
+
     total: jax.Array
     count: jax.Array  # int32 without weights, the sum of weights with them
     rows: jax.Array  # valid examples
@@ -214,6 +217,8 @@ class MeanState(Metric):
 
 
 class SumState(Metric):
+    """The state of ``Sum``: the total of the valid values (integers stay integers); merged by adding."""
+
     total: jax.Array
 
     @classmethod
@@ -252,6 +257,9 @@ def _identity(dtype: str, largest: bool):
 
 
 class MinState(Metric):
+    """The state of ``Min``: the smallest valid value so far (the dtype's largest value when there is
+    none yet) and the input's dtype name; merged with ``min``."""
+
     value: jax.Array
     dtype: str = static()
 
@@ -273,6 +281,9 @@ class MinState(Metric):
 
 
 class MaxState(Metric):
+    """The state of ``Max``: the largest valid value so far (the dtype's smallest value when there is
+    none yet) and the input's dtype name; merged with ``max``."""
+
     value: jax.Array
     dtype: str = static()
 
