@@ -43,7 +43,7 @@ from estimax.task import with_task_rules
 
 VOCAB_SIZE = 256  # bytes
 HELD_OUT_EVERY = 10  # file i is held out when i % 10 == 9
-# Model and run sizes that train in a few minutes on 2 CPU cores (README: Examples).
+# Model and run sizes that train in a few minutes on 2 CPU cores (docs/guides/models.md: Examples).
 MODEL = {"seq_len": 128, "dim": 128, "num_heads": 4, "num_layers": 2, "mlp_ratio": 4}
 # `--set preset=gpt2-small`: GPT-2 small's shape over bytes (12 layers, 768 wide, 12 heads, 1,024 bytes
 # of context; ~85M parameters with the byte vocabulary), computed in bfloat16.
