@@ -28,7 +28,7 @@ from estimax.current_state import CurrentState, UntrainedWarning  # noqa: F401 (
 from estimax.data import feed
 from estimax.distributed import Sync
 from estimax.evaluator import Evaluator
-from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.hooks import EarlyStopping, Hook, RunInfo, may_stop
 from estimax.loop import TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler
@@ -264,16 +264,13 @@ class Estimator:
             self._train_runner = TrainRunner(self._core, self.layout, cfg.loop, cfg.steps_per_loop)
         if self._current.loop_mode is not None:
             self._train_runner.resume(self._current.loop_mode, start)
+        exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
         hooks = self._hooks(hooks)
+        profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
-            self._train_runner,
-            self.run_dir.checkpoints,
-            hooks,
-            self._param_names,
-            skip_nonfinite=cfg.skip_nonfinite,
-            profiler=Profiler(cfg.profile_steps, self.run_dir.profile_dir),
-            sync=self._sync,
-        )
+            self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
+            profiler=profiler, sync=self._sync, exact_stops=exact_stops,
+        )  # fmt: skip
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
         stacks = feed.train_stacks(
             input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start, input_state=self._current.input_state

@@ -391,3 +391,87 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_last_good_checkpoint(t
         assert "Event loop is closed" not in out and "absl" not in out
     finally:
         subprocess.run(["umount", disk], check=True)
+
+
+# -- evaluation failures keep the work ------------------------------------------------------
+
+
+def _eval_outputs_model_fn(model, features, labels, mode, params):
+    logits = model(features["x"])
+    if mode == ex.PREDICT:
+        return ex.Spec(predictions={"logits": logits})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return ex.Spec(loss=loss, metrics={"fragile": _Fragile.of(loss)}, eval_outputs={"y": labels, "logits": logits})
+
+
+class _Fragile(ex.metrics.Metric):
+    """A metric whose compute() reads a field it never wrote, unless told otherwise by its input's sign."""
+
+    total: object
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        import jax.numpy as jnp
+
+        return cls(jnp.sum(jnp.where(mask, values, 0.0)))
+
+    @classmethod
+    def empty(cls):
+        return cls(np.float32(0))
+
+    def merge(self, other):
+        return type(self)(self.total + other.total)
+
+    def compute(self):
+        if FRAGILE["broken"]:
+            return {"sum": self.total}["mean"]
+        return float(self.total)
+
+
+FRAGILE = {"broken": False}
+
+
+def _reads_labels(outputs):
+    return {"agreement": float((outputs["logits"].argmax(-1) == outputs["labels"]).mean())}
+
+
+def _est(model_dir, host_metrics=None):
+    from models import mlp
+
+    return ex.Estimator(
+        mlp, _eval_outputs_model_fn, optax.sgd(0.1), ex.RunConfig(model_dir=model_dir, train_batch_size=32,
+        steps_per_loop=2), params={"dropout": 0.0}, host_metrics=host_metrics,
+    )  # fmt: skip
+
+
+def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp_path):
+    # The default policy saves every 1000 steps: nothing is due at step 4 but the end of training.
+    model_dir = str(tmp_path / "host_metrics")
+    with pytest.raises(ex.errors.EstimaxError) as raised:
+        _est(model_dir, _reads_labels).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+    message = str(raised.value)
+    assert "host_metrics function _reads_labels (" in message and "test_reliability.py:" in message
+    assert "KeyError: 'labels'" in message and "outputs hold the keys ['logits', 'y']" in message
+    assert "Fix:" in message and "\n" not in message
+    assert _steps(model_dir) == [4] and _est(model_dir).step == 4
+
+    model_dir = str(tmp_path / "metric")
+    FRAGILE["broken"] = True
+    try:
+        with pytest.raises(ex.errors.EstimaxError, match=r"compute\(\) of metric 'fragile' \(_Fragile\) raised Key"):
+            _est(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=2)
+    finally:
+        FRAGILE["broken"] = False
+    assert _steps(model_dir) == [2]
+
+    model_dir = str(tmp_path / "input")
+    features, labels = blobs(64)
+
+    def failing_input():
+        yield {"x": features["x"][:32]}, labels[:32]
+        raise OSError("the evaluation shard is gone")
+
+    with pytest.raises(ex.errors.EstimaxError, match=r"evaluation input raised OSError: the evaluation shard is gone "
+                       r"reading batch 2 \(after 1 batches\)"):  # fmt: skip
+        _est(model_dir).train_and_evaluate(DATA, failing_input(), max_steps=8, eval_every_steps=4)
+    assert _steps(model_dir) == [4]
