@@ -475,3 +475,47 @@ def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp
                        r"reading batch 2 \(after 1 batches\)"):  # fmt: skip
         _est(model_dir).train_and_evaluate(DATA, failing_input(), max_steps=8, eval_every_steps=4)
     assert _steps(model_dir) == [4]
+
+
+# -- stop means stop; the profiler traces what it says ------------------------------------------
+
+
+class _StopAt(ex.Hook):
+    def __init__(self, step, may_stop=True):
+        self.step, self.may_stop, self.seen = step, may_stop, []
+
+    def after_loop(self, loop):
+        self.seen.append(loop.step_after)
+        return loop.step_after >= self.step
+
+
+def test_a_hooks_stop_takes_effect_at_the_boundary_it_was_asked_at(tmp_path, capfd):
+    model_dir = str(tmp_path / "exact")
+    hook = _StopAt(10)
+    est = estimator(model_dir, steps_per_loop=5)
+    est.train(DATA, max_steps=100, hooks=[hook])
+    assert est.step == 10 and _steps(model_dir) == [10] and hook.seen == [5, 10]
+    log = capfd.readouterr().err
+    assert "Training stopped at step 10: _StopAt.after_loop asked to stop at step 10." in log
+    assert "Input ran out" not in log
+    # A hook that says it never stops keeps the overlap: a True it returns anyway stops one loop later.
+    model_dir = str(tmp_path / "overlapped")
+    est = estimator(model_dir, steps_per_loop=5)
+    est.train(DATA, max_steps=100, hooks=[_StopAt(10, may_stop=False)])
+    assert est.step == 15 and _steps(model_dir) == [15]
+    assert "Training stopped at step 15: _StopAt.after_loop asked to stop at step 10." in capfd.readouterr().err
+
+
+def test_the_profiler_traces_every_loop_with_a_step_of_the_window(tmp_path):
+    model_dir = str(tmp_path / "run")
+    estimator(model_dir, steps_per_loop=4, profile_steps=(1, 3)).train(DATA, max_steps=8)
+    traces = os.path.join(model_dir, "profile", "**", "*.xplane.pb")
+    import glob
+
+    assert glob.glob(traces, recursive=True)  # the loop of steps 1-4 runs steps 1 and 2
+    with pytest.raises(ex.errors.ConfigError, match=r"profile_steps=\(20, 30\)\) traces steps 20-29, and this call "
+                       r"trains steps 9-12: no loop runs a step of the window\. Fix: .*profile_steps=\(9, 13\)"):  # fmt: skip
+        estimator(model_dir, steps_per_loop=4, profile_steps=(20, 30)).train(DATA, max_steps=12)
+    assert _steps(model_dir) == [8]  # refused before the first step
+    with pytest.raises(ex.errors.ConfigError, match=r"model_dir=None\) has none"):
+        estimator(None, profile_steps=(1, 3)).train(DATA, max_steps=4)
