@@ -97,6 +97,16 @@ def _named_input(batches: Iterator) -> Iterator:
         yield batch
 
 
+def _check_not_donated(state, step: int) -> None:
+    """A prediction generator continued after train() moved the state it predicts with."""
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params) if isinstance(leaf, jax.Array)):
+        raise EvaluationError(
+            f"This predict() generator predicts with the state of step {step}, whose arrays train() has "
+            "since given to training (they are donated, not copied). Fix: finish iterating before training, "
+            "e.g. `list(est.predict(x))`, or call predict() again after train() for the new state."
+        )
+
+
 class Evaluator:
     """Evaluates and predicts for an Estimator.
 
@@ -162,10 +172,11 @@ class Evaluator:
         mesh_lib.check_batch_size("predict_batch_size", batch_size, mesh)
         rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
-        pending = None
+        pending, step = None, int(jax.device_get(state.step))
         device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
         with feed.Prefetch(device_batches) as device_batches:
             for db in device_batches:
+                _check_not_donated(state, step)
                 predictions = self.runner.predict(state, db.batch)
                 if pending is not None:  # the host reads a batch once the next one is dispatched
                     yield from rows(*pending)

@@ -513,9 +513,69 @@ def test_the_profiler_traces_every_loop_with_a_step_of_the_window(tmp_path):
     import glob
 
     assert glob.glob(traces, recursive=True)  # the loop of steps 1-4 runs steps 1 and 2
-    with pytest.raises(ex.errors.ConfigError, match=r"profile_steps=\(20, 30\)\) traces steps 20-29, and this call "
-                       r"trains steps 9-12: no loop runs a step of the window\. Fix: .*profile_steps=\(9, 13\)"):  # fmt: skip
+    window = r"profile_steps=\(20, 30\)\) traces steps 20-29, and this call trains steps 9-12: no loop runs a step"
+    with pytest.raises(ex.errors.ConfigError, match=window + r" of the window\. Fix: .*profile_steps=\(9, 13\)"):
         estimator(model_dir, steps_per_loop=4, profile_steps=(20, 30)).train(DATA, max_steps=12)
     assert _steps(model_dir) == [8]  # refused before the first step
     with pytest.raises(ex.errors.ConfigError, match=r"model_dir=None\) has none"):
         estimator(None, profile_steps=(1, 3)).train(DATA, max_steps=4)
+
+
+# -- the unclear cases get one-line answers ---------------------------------------------------
+
+
+def test_evaluate_of_a_missing_step_lists_the_steps_that_exist(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, save_every_steps=2)
+    est.train(DATA, max_steps=4)
+    with pytest.raises(ex.errors.CheckpointError, match=r"checkpoint=999\): model_dir has no checkpoint of step 999; "
+                       r"it has steps \[2, 4\]\. Fix:"):  # fmt: skip
+        est.evaluate(DATA, checkpoint=999)
+
+
+def test_a_predict_generator_continued_after_train_is_an_error_naming_why(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, predict_batch_size=64)
+    est.train(DATA, max_steps=2)
+    predictions = est.predict(DATA)
+    next(predictions)
+    est.train(DATA, max_steps=4)
+    with pytest.raises(ex.errors.EstimaxError, match=r"generator predicts with the state of step 2, whose arrays "
+                       r"train\(\) has since given to training.*Fix: finish iterating before training"):  # fmt: skip
+        list(predictions)
+    assert len(list(est.predict(DATA))) == 256  # a new generator predicts with the new state
+
+
+def test_save_every_steps_and_a_checkpoint_policy_that_disagree_are_refused():
+    with pytest.raises(ex.errors.ConfigError, match=r"save_every_steps=5\) and checkpoint=CheckpointPolicy"
+                       r"\(every_steps=10\) disagree.*Fix: give only one"):  # fmt: skip
+        ex.RunConfig(save_every_steps=5, checkpoint=ex.CheckpointPolicy(every_steps=10))
+    agreeing = ex.RunConfig(save_every_steps=10, checkpoint=ex.CheckpointPolicy(every_steps=10, keep=2))
+    assert (agreeing.checkpoint.every_steps, agreeing.checkpoint.keep) == (10, 2)
+    assert ex.RunConfig(save_every_steps=5).checkpoint.every_steps == 5
+
+
+def test_an_estimator_used_from_two_threads_at_once_refuses_the_second():
+    import threading
+
+    est, inside, release, errors = estimator(steps_per_loop=2), threading.Event(), threading.Event(), []
+
+    class Holds(ex.Hook):
+        def begin(self, run):
+            inside.set()
+            release.wait()
+
+    def other():
+        inside.wait()
+        try:
+            est.evaluate(DATA)
+        except ex.errors.ConfigError as error:
+            errors.append(str(error))
+        release.set()
+
+    thread = threading.Thread(target=other, name="evaluator")
+    thread.start()
+    est.train(DATA, max_steps=4, hooks=[Holds()])
+    thread.join()
+    assert est.step == 4 and len(errors) == 1
+    assert "Estimator.evaluate() was called from thread 'evaluator' while Estimator.train() runs" in errors[0]
+    assert "Fix: give each thread its own Estimator" in errors[0]
+    est.evaluate(DATA)  # one at a time is fine
