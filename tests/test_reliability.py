@@ -595,3 +595,20 @@ def test_an_estimator_used_from_two_threads_at_once_refuses_the_second():
     assert "Estimator.evaluate() was called from thread 'evaluator' while Estimator.train() runs" in errors[0]
     assert "Fix: give each thread its own Estimator" in errors[0]
     est.evaluate(DATA)  # one at a time is fine
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\x00garbage{"])
+def test_an_empty_or_garbage_lock_file_says_what_it_is_and_how_to_clear_it(tmp_path, content):
+    model_dir = str(tmp_path / "run")
+    os.makedirs(model_dir)
+    path = os.path.join(model_dir, LOCK_FILE)
+    with open(path, "wb") as f:
+        f.write(content)
+    os.utime(path, (time.time() - 60, time.time() - 60))  # left there a minute ago, not being written
+    what = "is empty" if not content else r"holds 10 bytes that are not a lock record"
+    with pytest.raises(ModelDirLocked, match=rf"has a lock file {path} that {what}.*Fix: if no estimax process "
+                       rf"writes into this model_dir, delete {path}\.$"):  # fmt: skip
+        estimator(model_dir).train(DATA, max_steps=2)
+    os.remove(path)
+    estimator(model_dir).train(DATA, max_steps=2)  # cleared as the message says
+    assert _steps(model_dir) == [2]
