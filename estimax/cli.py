@@ -154,17 +154,17 @@ def main(argv: list[str] | None = None) -> int:
         return _launch(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command == "serve":  # the artifact only: no task, no model code, no Flax
-        from estimax import server
-
-        return server.main(args)
-    check_arguments(args)
     try:
+        if args.command == "serve":  # the artifact only: no task, no model code, no Flax
+            from estimax import server
+
+            return server.main(args)
+        check_arguments(args)
         from estimax import commands
 
         return commands.run(args)
     except _user_errors() as error:
-        if args.debug:
+        if getattr(args, "debug", False):
             raise
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"estimax: error: {message} (--debug shows the traceback)", file=sys.stderr)

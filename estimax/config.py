@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from estimax.errors import ConfigError
 from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
 from estimax.trackers import resolve as resolve_trackers
@@ -150,6 +151,15 @@ class RunConfig:
     def __post_init__(self, save_every_steps, keep_checkpoints):
         shorthands = {"every_steps": save_every_steps, "keep": keep_checkpoints}
         shorthands = {k: v for k, v in shorthands.items() if v is not _UNSET}
+        for field, value in shorthands.items():
+            chosen = getattr(self.checkpoint, field)
+            if chosen != getattr(CheckpointPolicy(), field) and chosen != value:  # both given, and they differ
+                shorthand = "save_every_steps" if field == "every_steps" else "keep_checkpoints"
+                raise ConfigError(
+                    f"RunConfig({shorthand}={value!r}) and checkpoint=CheckpointPolicy({field}={chosen!r}) "
+                    f"disagree; {shorthand} is a shorthand for CheckpointPolicy({field}=...). "
+                    f"Fix: give only one of them."
+                )
         if shorthands:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import sys
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import optax
 
-from estimax import accumulation, compile_cache, flops, report, run_record, trackers, validation
+from estimax import accumulation, calls, compile_cache, recording, report, run_record, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import export as export_lib
 from estimax import host_metrics as host_metrics_lib
@@ -28,18 +27,15 @@ from estimax.current_state import CurrentState, UntrainedWarning  # noqa: F401 (
 from estimax.data import feed
 from estimax.distributed import Sync
 from estimax.evaluator import Evaluator
-from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.hooks import EarlyStopping, Hook, RunInfo, may_stop
 from estimax.loop import TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler
-from estimax.progress import ProgressBar
-from estimax.report import MetricLogger
 from estimax.run_dir import open_run_dir
 from estimax.state import leaf_names
 from estimax.step import Core
 from estimax.training import Evaluation, TrainingLoop
 from estimax.warm_start import WarmStart
-from estimax.writers import ConsoleWriter
 
 logger = logging.getLogger("estimax")
 
@@ -126,6 +122,10 @@ class Estimator:
         Estimator trained, warm-started or initialised."""
         return self._current.current()
 
+    def _at(self, checkpoint: int | str | None, what: str):
+        calls.check_step(self.run_dir.checkpoints, checkpoint, what)
+        return self._current.at(checkpoint, what)
+
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
         return checkpoint_lib.abstract_like(self._abstract_state, self.layout.state)
@@ -145,13 +145,14 @@ class Estimator:
 
         ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
         """
-        state = self._current.at(checkpoint, "model")
+        state = self._at(checkpoint, "model")
         # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
         params, model_state = _gathered_copy(state.params, state.model_state, self.layout.replicated)
         with jax.set_mesh(self.mesh):
             return self._core.adapter.live(params, model_state)
 
     # -- train ---------------------------------------------------------------
+    @calls.one_thread_at_a_time
     def train(
         self,
         input,
@@ -170,6 +171,7 @@ class Estimator:
         self._train(input, (max_steps, steps, epochs), hooks)
         return self
 
+    @calls.one_thread_at_a_time
     def train_and_evaluate(
         self,
         train_input,
@@ -224,17 +226,9 @@ class Estimator:
             return self.evaluate(eval_input)
         return loop.last_metrics
 
-    def _check_batch_sizes(self) -> None:
-        cfg = self.config
-        if cfg.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
-            accumulation.check_batch_size(cfg.train_batch_size, cfg.grad_accum_steps, self.layout.batch)
-        mesh_lib.check_batch_size("train_batch_size", cfg.train_batch_size, self.mesh)
-        mesh_lib.check_batch_size("eval_batch_size", cfg.global_eval_batch_size, self.mesh)
-        mesh_lib.check_batch_size("predict_batch_size", cfg.global_predict_batch_size, self.mesh)
-
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         hooks = validation.check_hooks(hooks)
-        self._check_batch_sizes()
+        calls.check_batch_sizes(self.config, self.layout, self.mesh)
         with self.run_dir.writing(self._sync, evaluation.best if evaluation is not None else None):
             return self._train_steps(input, lengths, hooks, evaluation)
 
@@ -264,16 +258,13 @@ class Estimator:
             self._train_runner = TrainRunner(self._core, self.layout, cfg.loop, cfg.steps_per_loop)
         if self._current.loop_mode is not None:
             self._train_runner.resume(self._current.loop_mode, start)
-        hooks = self._hooks(hooks)
+        exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
+        hooks = recording.builtin_hooks(self.config, self._writers(), self.mesh.size) + list(hooks)
+        profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
-            self._train_runner,
-            self.run_dir.checkpoints,
-            hooks,
-            self._param_names,
-            skip_nonfinite=cfg.skip_nonfinite,
-            profiler=Profiler(cfg.profile_steps, self.run_dir.profile_dir),
-            sync=self._sync,
-        )
+            self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
+            profiler=profiler, sync=self._sync, exact_stops=exact_stops,
+        )  # fmt: skip
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
         stacks = feed.train_stacks(
             input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start, input_state=self._current.input_state
@@ -291,33 +282,11 @@ class Estimator:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
         return loop
 
-    def _hooks(self, extra: Sequence[Hook] = ()) -> list[Hook]:
-        """The built-in hooks (metric logging, progress bar) and the user's."""
-        cfg = self.config
-        logger_hook = MetricLogger(
-            self._writers(),
-            cfg.log_every_steps,
-            cfg.train_batch_size,
-            num_devices=self.mesh.size,
-            peak_tflops=flops.device_peak(cfg.compute_dtype),
-            tokens_per_example=cfg.tokens_per_example,
-        )
-        hooks: list[Hook] = [logger_hook]
-        if not cfg.quiet and jax.process_index() == 0 and sys.stderr.isatty():
-            hooks.append(ProgressBar(cfg.train_batch_size))
-        return hooks + list(extra)
-
     def _writers(self, files: bool = True) -> list:
-        """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
-        and only with ``files`` (what this process may write)."""
-        cfg = self.config
-        writers: list = [ConsoleWriter(train_lines=not cfg.quiet and not sys.stderr.isatty())]
-        if jax.process_index() != 0 or not files:
-            return writers
-        writers += self.run_dir.file_writers(cfg.tensorboard)
-        return writers + trackers.writers(cfg, self.params, self._tracker_runs, self.run_dir)
+        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files)
 
     # -- evaluate and predict --------------------------------------------------
+    @calls.one_thread_at_a_time
     def evaluate(
         self,
         input,
@@ -335,29 +304,18 @@ class Estimator:
         ``host_metrics``: this call's, instead of the Estimator's.
         """
         host_metrics_lib.check(host_metrics)
-        state = self._current.at(checkpoint, "evaluate")
+        state = self._at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
-        self._record_evaluation(int(jax.device_get(state.step)), results)
+        recording.record_evaluation(self.run_dir, self._writers, int(jax.device_get(state.step)), results)
         return results
 
-    def _record_evaluation(self, step: int, results: dict[str, float]) -> None:
-        """Writes an evaluation to the console, and to model_dir's files when this process may write
-        there: not while another process holds its lock (a run in training keeps its files to
-        itself), nor when it is not writable; either is said, and the results are still returned."""
-        with self.run_dir.recording(f"The evaluation of step {step}") as files:
-            try:
-                for writer in self._writers(files):
-                    writer.write("eval", step, results)
-                    writer.close()
-            except OSError as error:
-                logger.warning("The evaluation of step %d was not written to %s: %s", step, self.run_dir.url, error)
-
+    @calls.one_thread_at_a_time
     def evaluate_states(
         self, input, *, steps: int | None = None, checkpoint: int | str | None = None
     ) -> dict[str, metrics_lib.Metric]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
-        state = self._current.at(checkpoint, "evaluate")
+        state = self._at(checkpoint, "evaluate")
         return self._evaluator.states(input, state, self.config.global_eval_batch_size, steps=steps)[0]
 
     def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
@@ -366,6 +324,7 @@ class Estimator:
             host_metrics=host_metrics or self._host_metrics,
         )  # fmt: skip
 
+    @calls.one_thread_at_a_time
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
         """One prediction per example, in input order, as numpy (a dict if model_fn returned one).
 
@@ -376,10 +335,11 @@ class Estimator:
         and Grain ``MapDataset`` inputs have. ``checkpoint``: a step of
         model_dir or a checkpoint path; default: the current state.
         """
-        state = self._current.at(checkpoint, "predict")
+        state = self._at(checkpoint, "predict")
         return self._evaluator.predict(input, state, self.config.global_predict_batch_size, gather)
 
     # -- export ------------------------------------------------------------------
+    @calls.one_thread_at_a_time
     def export(
         self, path: str, *, checkpoint: int | str | None = None, example_features=None, format: str = "jax"
     ) -> str:
@@ -408,7 +368,7 @@ class Estimator:
                 "yet. Fix: pass a batch, e.g. `est.export(path, example_features={'image': images[:1]})`, or "
                 "call train/evaluate/predict first."
             )
-        state = self._current.at(checkpoint, "export")
+        state = self._at(checkpoint, "export")
         if format == "tf_saved_model":
             from estimax import export_tf
 

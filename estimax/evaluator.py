@@ -7,10 +7,15 @@ merging metric states into results, a ``host_metrics`` function over every
 example's outputs, and prediction rows in input order. Does not own which
 state is evaluated (``current_state.py``) nor where results are written
 (the Estimator's writers).
+
+A failure of the user's code inside an evaluation (the input, a metric's
+``compute``, a ``host_metrics`` function) becomes one ``EvaluationError``
+naming which, so that training can save its state and say what broke.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable, Iterator
@@ -23,8 +28,84 @@ from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
+from estimax.errors import EstimaxError, InputError
 from estimax.loop import EvalRunner
 from estimax.progress import EvalProgress
+
+
+class EvaluationError(EstimaxError, RuntimeError):
+    """The evaluation input, a metric's ``compute`` or a ``host_metrics`` function raised."""
+
+
+def _describe(error: BaseException) -> str:
+    text = " ".join(str(error).split())  # one line
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _where(fn) -> str:
+    code = getattr(fn, "__code__", None)
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def _named_host_metrics(host_metrics: Callable) -> Callable:
+    """``host_metrics`` whose own errors name it, and for a missing key, the keys its outputs hold."""
+
+    @functools.wraps(host_metrics)
+    def call(outputs):
+        try:
+            return host_metrics(outputs)
+        except EstimaxError:
+            raise
+        except Exception as error:
+            keys = f"; its outputs hold the keys {sorted(outputs)}" if isinstance(error, KeyError) else ""
+            raise EvaluationError(
+                f"The host_metrics function {_where(host_metrics)} raised {_describe(error)}{keys}. "
+                "Fix: correct that function (outputs holds the Spec(eval_outputs=...) arrays of every example)."
+            ) from error
+
+    return call
+
+
+def _metric_results(name: str, state) -> dict[str, float]:
+    try:
+        return metrics_lib.results(name, state)
+    except EstimaxError:
+        raise
+    except Exception as error:
+        raise EvaluationError(
+            f"The compute() of metric {name!r} ({type(state).__name__}) raised {_describe(error)}. "
+            "Fix: correct that metric's compute (it receives the state merged over every evaluation batch)."
+        ) from error
+
+
+def _named_input(batches: Iterator) -> Iterator:
+    """The evaluation input's batches; an error reading them names the input and how far it got."""
+    count = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except EstimaxError:
+            raise
+        except Exception as error:
+            raise EvaluationError(
+                f"The evaluation input raised {_describe(error)} reading batch {count + 1} "
+                f"(after {count} batches). Fix: correct the evaluation input, or evaluate fewer batches (steps=)."
+            ) from error
+        count += 1
+        yield batch
+
+
+def _check_not_donated(state, step: int) -> None:
+    """A prediction generator continued after train() moved the state it predicts with."""
+    if any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params) if isinstance(leaf, jax.Array)):
+        raise EvaluationError(
+            f"This predict() generator predicts with the state of step {step}, whose arrays train() has "
+            "since given to training (they are donated, not copied). Fix: finish iterating before training, "
+            "e.g. `list(est.predict(x))`, or call predict() again after train() for the new state."
+        )
 
 
 class Evaluator:
@@ -56,9 +137,9 @@ class Evaluator:
             return None
         results = {}
         for name in sorted(totals, key=lambda n: n == metrics_lib.NUM_EXAMPLES):
-            results.update(metrics_lib.results(name, totals[name]))
+            results.update(_metric_results(name, totals[name]))
         if host_metrics is not None:
-            results.update(host_metrics_lib.results(host_metrics, rows.rows(), results))
+            results.update(host_metrics_lib.results(_named_host_metrics(host_metrics), rows.rows(), results))
         return results
 
     def states(self, input, state, batch_size: int, *, steps=None, should_stop=None, rows: bool = False):
@@ -66,7 +147,7 @@ class Evaluator:
         interrupted it."""
         mesh = self.layout.mesh
         mesh_lib.check_batch_size("eval_batch_size", batch_size, mesh)
-        batches = feed.eval_batches(input, batch_size // jax.process_count())
+        batches = _named_input(iter(feed.eval_batches(input, batch_size // jax.process_count())))
         if steps is not None:
             batches = itertools.islice(batches, steps)
         outputs = host_metrics_lib.OutputRows() if rows else None
@@ -80,7 +161,10 @@ class Evaluator:
         if totals is None:
             if should_stop is not None and should_stop():
                 return None, None
-            raise ValueError("Evaluation input yielded no batches; expected at least one example.")
+            raise InputError(
+                "Evaluation input yielded no batches; expected at least one example. "
+                "Fix: pass an evaluation input that is not empty."
+            )
         return totals, outputs
 
     def predict(self, input, state, batch_size: int, gather: bool) -> Iterator:
@@ -89,10 +173,11 @@ class Evaluator:
         mesh_lib.check_batch_size("predict_batch_size", batch_size, mesh)
         rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
         batches = feed.eval_batches(input, batch_size // jax.process_count())
-        pending = None
+        pending, step = None, int(jax.device_get(state.step))
         device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
         with feed.Prefetch(device_batches) as device_batches:
             for db in device_batches:
+                _check_not_donated(state, step)
                 predictions = self.runner.predict(state, db.batch)
                 if pending is not None:  # the host reads a batch once the next one is dispatched
                     yield from rows(*pending)

@@ -6,6 +6,12 @@ never waits on the device. "Every N steps" means a multiple of N was
 ``steps_per_loop``, so multiples are rarely hit exactly. ``after_loop`` and
 ``after_eval`` may return ``True`` to stop training (early stopping does).
 The built-in logging, progress bar and early stopping are hooks too.
+
+A stop takes effect at the loop boundary where it was asked: the state at
+that step is the one saved. So that this holds, while any hook may stop from
+``after_loop``, each loop's outputs are read before the next loop is
+dispatched (the device waits for the host between loops); a hook whose
+``after_loop`` never stops sets ``may_stop = False`` and keeps the overlap.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import math
 from collections.abc import Mapping
 
 import numpy as np
+
+from estimax.errors import ConfigError
 
 logger = logging.getLogger("estimax")
 
@@ -82,7 +90,14 @@ class Summary:
 
 
 class Hook:
-    """Override the methods you need; each receives an immutable record."""
+    """Override the methods you need; each receives an immutable record.
+
+    ``may_stop``: set ``False`` when ``after_loop`` never returns ``True``, so that training
+    dispatches the next loop before this hook reads the last one (the device does not wait
+    for the host). Such a hook's ``True`` still stops training, one loop later.
+    """
+
+    may_stop: bool = True
 
     def begin(self, run: RunInfo) -> None:
         pass
@@ -95,6 +110,11 @@ class Hook:
 
     def end(self, summary: Summary) -> None:
         pass
+
+
+def may_stop(hook: Hook) -> bool:
+    """Whether ``hook.after_loop`` may ask to stop: it is overridden, and ``may_stop`` is not ``False``."""
+    return type(hook).after_loop is not Hook.after_loop and bool(getattr(hook, "may_stop", True))
 
 
 class EarlyStopping(Hook):
@@ -113,9 +133,9 @@ class EarlyStopping(Hook):
         if evaluation.split != self.split:
             return False
         if self.metric not in evaluation.metrics:
-            raise ValueError(
+            raise ConfigError(
                 f"EarlyStopping(metric={self.metric!r}) is not among the evaluation's metrics "
-                f"{sorted(evaluation.metrics)}; expected one of them."
+                f"{sorted(evaluation.metrics)}; expected one of them. Fix: pass one of those names."
             )
         value = evaluation.metrics[self.metric]
         improved = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta

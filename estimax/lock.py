@@ -70,6 +70,7 @@ class Lock:
                 return self
             holder = read_holder(self.path)
             if holder is None:  # released (or half-written) in between: try again
+                _check_not_garbage(self.path, self.model_dir)
                 time.sleep(0.05)
                 continue
             if not is_stale(holder):
@@ -155,6 +156,30 @@ def read_holder(path: str) -> dict | None:
     except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     return holder if isinstance(holder, dict) else None
+
+
+# A lock is written within milliseconds of its creation: unreadable for longer, it is not one.
+_WRITING_SECONDS = 2.0
+
+
+def _check_not_garbage(path: str, model_dir: str) -> None:
+    """Raises when the file at ``path`` has been unreadable as a lock for longer than a write takes."""
+    try:
+        age, content = time.time() - os.path.getmtime(path), storage.read_bytes(path)
+    except FileNotFoundError:
+        return  # released in between
+    if age < _WRITING_SECONDS:
+        return
+    what = (
+        "is empty"
+        if not content.strip()
+        else f"holds {len(content)} bytes that are not a lock record: {content[:40]!r}"
+    )
+    raise ModelDirLocked(
+        f"model_dir {model_dir} has a lock file {path} that {what}; expected the JSON record (host, pid, "
+        "command) an estimax writer leaves there. It is no estimax lock (a copy, an editor or a full disk left "
+        f"it). Fix: if no estimax process writes into this model_dir, delete {path}."
+    )
 
 
 def describe(holder: dict) -> str:

@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import math
 import re
 import signal
 import sys
@@ -23,6 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from estimax import storage
+from estimax.errors import ConfigError
 
 if TYPE_CHECKING:  # numpy is imported only to serve: `estimax --help` stays light
     import numpy as np
@@ -119,7 +121,16 @@ async def serve(model, name: str, host: str, port: int, max_batch: int, max_wait
     app.router.add_route("*", "/v1/models/{route:.*}", Handler(model, name, batcher, max_body).route)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=DRAIN_SECONDS)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        await runner.cleanup()
+        batching.cancel()
+        executor.shutdown()
+        raise ConfigError(
+            f"estimax serve --host {host} --port {port}: cannot listen there ({error.strerror or error}); expected "
+            "a free port. Fix: stop the process that listens on it, or pass another --port."
+        ) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -168,6 +179,10 @@ class RequestError(ValueError):
     """A request the server cannot answer: HTTP 400 with this message."""
 
 
+class BodyTooLarge(RequestError):
+    """A request body beyond ``--max-body-mb``: HTTP 413, read no further."""
+
+
 class Handler:
     """The endpoints under ``/v1/models/``."""
 
@@ -199,6 +214,8 @@ class Handler:
         try:
             features, rows = parse_request(await self._body(request), self.model)
             prepared = self.model.prepare(features)
+        except BodyTooLarge as error:
+            return _error(413, str(error))
         except (ValueError, TypeError) as error:
             return _error(400, str(error))
         try:
@@ -212,11 +229,17 @@ class Handler:
         from aiohttp import web
 
         if request.content_length is not None and request.content_length > self.max_body:
-            raise RequestError(f"Request body of {request.content_length} bytes; expected at most {self.max_body}.")
+            raise BodyTooLarge(
+                f"Request body of {request.content_length} bytes; expected at most {self.max_body} "
+                "(--max-body-mb). Fix: send fewer rows per request."
+            )
         try:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise RequestError(f"Request body larger than {self.max_body} bytes; expected at most that.") from None
+            raise BodyTooLarge(
+                f"Request body larger than {self.max_body} bytes; expected at most that (--max-body-mb). "
+                "Fix: send fewer rows per request."
+            ) from None
 
     def status(self) -> dict:
         return {
@@ -401,4 +424,19 @@ def _error(status: int, message: str):
 
 
 def _dumps(value) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    """Strict JSON: NaN and infinities, which JSON has no numbers for, become the strings "NaN",
+    "Infinity" and "-Infinity" (as the protobuf JSON mapping writes them)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a non-finite value somewhere: only then walk the answer
+        return json.dumps(_finite(value), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -23,7 +23,8 @@ from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.data.source import SizedSource
 from estimax.distributed import Sync
-from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
+from estimax.errors import ConfigError
+from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
@@ -76,14 +77,19 @@ class TrainingLoop:
         skip_nonfinite: bool,
         profiler: Profiler,
         sync: Sync | None = None,
+        exact_stops: bool | None = None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
+        # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
+        self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
+        self._stop_reason = ""
+        self._saved_step: int | None = None
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
         """Trains from ``info.start_step`` over ``chunks``; returns ``(state, step)``.
@@ -101,7 +107,7 @@ class TrainingLoop:
             with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
                 for chunk in chunks:
                     self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
-                    self.profiler.before_loop(step, state)
+                    self.profiler.before_loop(step, step + chunk.num_steps, state)
                     compiled = self.runner.compile_seconds
                     with self.profiler.annotate(step):
                         state, outputs = self.runner.run(state, chunk)
@@ -115,21 +121,27 @@ class TrainingLoop:
                         if previous is not None:
                             stop |= self._after_loop(previous, chunks)
                         previous = last = current
+                        if self.exact_stops:  # a hook may stop here: it reads this loop before the next is dispatched
+                            stop |= self._after_loop(current, chunks)
+                            previous = None
                         self.profiler.after_loop(step, state)
                         if preemption.requested(step, since=current.step_before):
                             break
-                        if evaluation is not None and (
-                            evaluation.every_steps
-                            and step // evaluation.every_steps > current.step_before // evaluation.every_steps
-                        ):
-                            # The evaluation waits for this loop anyway: report it first, untimed.
-                            stop |= self._after_loop(current, chunks, untimed=True)
-                            previous = None
+                    if evaluation is not None and (
+                        evaluation.every_steps
+                        and step // evaluation.every_steps > current.step_before // evaluation.every_steps
+                    ):
+                        # A failed evaluation ends training: the state it evaluated is saved first.
+                        with self._saving_on_error(state, current, due or self.checkpointer.saves):
+                            if previous is not None:  # the evaluation waits for this loop anyway: report it, untimed
+                                stop |= self._after_loop(current, chunks, untimed=True)
+                                previous = None
                             stop |= self._evaluate(evaluation, state, current, preemption)
                     if due:
                         self._save(state, current)
                     if stop:
                         self.stopped = True
+                        logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
                         break
             with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
                 if previous is not None:
@@ -188,7 +200,14 @@ class TrainingLoop:
             self.runner.flops_per_step,
         )
         self._last_read, self._paused = (None if untimed else now), 0.0
-        return any([bool(hook.after_loop(record)) for hook in self.hooks])
+        stopping = [hook for hook in self.hooks if hook.after_loop(record)]  # every hook sees every loop
+        return self._asked_to_stop(stopping, "after_loop", loop.step_after)
+
+    def _asked_to_stop(self, hooks: list[Hook], method: str, step: int) -> bool:
+        if hooks and not self._stop_reason:
+            names = ", ".join(type(hook).__name__ for hook in hooks)
+            self._stop_reason = f"{names}.{method} asked to stop at step {step}"
+        return bool(hooks)
 
     def _checked(self, loop: _Loop) -> dict[str, np.ndarray]:
         """The loop's outputs; raises ``NonFiniteError`` on a NaN/Inf (unless skipping them)."""
@@ -218,6 +237,8 @@ class TrainingLoop:
         return outputs
 
     def _save(self, state, loop: _Loop) -> None:
+        if self._saved_step == loop.step_after:  # saved on an error already
+            return
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
@@ -225,6 +246,7 @@ class TrainingLoop:
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
         self._paused += elapsed
+        self._saved_step = loop.step_after
 
     def _evaluate(
         self, evaluation: Evaluation, state, loop: _Loop, preemption: PreemptionWatch, final: bool = False
@@ -241,12 +263,13 @@ class TrainingLoop:
             return True
         self.last_metrics, self.last_eval_step = metrics, loop.step_after
         record = EvalRecord(loop.step_after, "eval", metrics, elapsed)
-        stop = any([bool(hook.after_eval(record)) for hook in self.hooks])
+        stopping = [hook for hook in self.hooks if hook.after_eval(record)]
+        stop = self._asked_to_stop(stopping, "after_eval", loop.step_after)
         if evaluation.best is not None:
             if evaluation.best_metric not in metrics:
-                raise ValueError(
+                raise ConfigError(
                     f"best_metric={evaluation.best_metric!r} is not among the evaluation's metrics "
-                    f"{sorted(metrics)}; expected one of them."
+                    f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
                 )
             evaluation.best.save(loop.step_after, state, loop.input_state, metrics=metrics)
         return stop and not final

@@ -391,3 +391,224 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_last_good_checkpoint(t
         assert "Event loop is closed" not in out and "absl" not in out
     finally:
         subprocess.run(["umount", disk], check=True)
+
+
+# -- evaluation failures keep the work ------------------------------------------------------
+
+
+def _eval_outputs_model_fn(model, features, labels, mode, params):
+    logits = model(features["x"])
+    if mode == ex.PREDICT:
+        return ex.Spec(predictions={"logits": logits})
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return ex.Spec(loss=loss, metrics={"fragile": _Fragile.of(loss)}, eval_outputs={"y": labels, "logits": logits})
+
+
+class _Fragile(ex.metrics.Metric):
+    """A metric whose compute() reads a field it never wrote, unless told otherwise by its input's sign."""
+
+    total: object
+
+    @classmethod
+    def from_batch(cls, values, *, mask):
+        import jax.numpy as jnp
+
+        return cls(jnp.sum(jnp.where(mask, values, 0.0)))
+
+    @classmethod
+    def empty(cls):
+        return cls(np.float32(0))
+
+    def merge(self, other):
+        return type(self)(self.total + other.total)
+
+    def compute(self):
+        if FRAGILE["broken"]:
+            return {"sum": self.total}["mean"]
+        return float(self.total)
+
+
+FRAGILE = {"broken": False}
+
+
+def _reads_labels(outputs):
+    return {"agreement": float((outputs["logits"].argmax(-1) == outputs["labels"]).mean())}
+
+
+def _est(model_dir, host_metrics=None):
+    from models import mlp
+
+    return ex.Estimator(
+        mlp, _eval_outputs_model_fn, optax.sgd(0.1), ex.RunConfig(model_dir=model_dir, train_batch_size=32,
+        steps_per_loop=2), params={"dropout": 0.0}, host_metrics=host_metrics,
+    )  # fmt: skip
+
+
+def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp_path):
+    # The default policy saves every 1000 steps: nothing is due at step 4 but the end of training.
+    model_dir = str(tmp_path / "host_metrics")
+    with pytest.raises(ex.errors.EstimaxError) as raised:
+        _est(model_dir, _reads_labels).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+    message = str(raised.value)
+    assert "host_metrics function _reads_labels (" in message and "test_reliability.py:" in message
+    assert "KeyError: 'labels'" in message and "outputs hold the keys ['logits', 'y']" in message
+    assert "Fix:" in message and "\n" not in message
+    assert _steps(model_dir) == [4] and _est(model_dir).step == 4
+
+    model_dir = str(tmp_path / "metric")
+    FRAGILE["broken"] = True
+    try:
+        with pytest.raises(ex.errors.EstimaxError, match=r"compute\(\) of metric 'fragile' \(_Fragile\) raised Key"):
+            _est(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=2)
+    finally:
+        FRAGILE["broken"] = False
+    assert _steps(model_dir) == [2]
+
+    model_dir = str(tmp_path / "input")
+    features, labels = blobs(64)
+
+    def failing_input():
+        yield {"x": features["x"][:32]}, labels[:32]
+        raise OSError("the evaluation shard is gone")
+
+    with pytest.raises(ex.errors.EstimaxError, match=r"evaluation input raised OSError: the evaluation shard is gone "
+                       r"reading batch 2 \(after 1 batches\)"):  # fmt: skip
+        _est(model_dir).train_and_evaluate(DATA, failing_input(), max_steps=8, eval_every_steps=4)
+    assert _steps(model_dir) == [4]
+
+
+# -- stop means stop; the profiler traces what it says ------------------------------------------
+
+
+class _StopAt(ex.Hook):
+    def __init__(self, step, may_stop=True):
+        self.step, self.may_stop, self.seen = step, may_stop, []
+
+    def after_loop(self, loop):
+        self.seen.append(loop.step_after)
+        return loop.step_after >= self.step
+
+
+@contextlib.contextmanager
+def _estimax_log():
+    """The estimax log lines written inside the block (its logger need not propagate)."""
+    import logging
+
+    lines, handler = [], logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("estimax")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_a_hooks_stop_takes_effect_at_the_boundary_it_was_asked_at(tmp_path):
+    model_dir = str(tmp_path / "exact")
+    hook = _StopAt(10)
+    est = estimator(model_dir, steps_per_loop=5)
+    with _estimax_log() as log:
+        est.train(DATA, max_steps=100, hooks=[hook])
+    assert est.step == 10 and _steps(model_dir) == [10] and hook.seen == [5, 10]
+    assert "Training stopped at step 10: _StopAt.after_loop asked to stop at step 10." in log
+    assert not [line for line in log if "Input ran out" in line]
+    # A hook that says it never stops keeps the overlap: a True it returns anyway stops one loop later.
+    model_dir = str(tmp_path / "overlapped")
+    est = estimator(model_dir, steps_per_loop=5)
+    with _estimax_log() as log:
+        est.train(DATA, max_steps=100, hooks=[_StopAt(10, may_stop=False)])
+    assert est.step == 15 and _steps(model_dir) == [15]
+    assert "Training stopped at step 15: _StopAt.after_loop asked to stop at step 10." in log
+
+
+def test_the_profiler_traces_every_loop_with_a_step_of_the_window(tmp_path):
+    model_dir = str(tmp_path / "run")
+    estimator(model_dir, steps_per_loop=4, profile_steps=(1, 3)).train(DATA, max_steps=8)
+    traces = os.path.join(model_dir, "profile", "**", "*.xplane.pb")
+    import glob
+
+    assert glob.glob(traces, recursive=True)  # the loop of steps 1-4 runs steps 1 and 2
+    window = r"profile_steps=\(20, 30\)\) traces steps 20-29, and this call trains steps 9-12: no loop runs a step"
+    with pytest.raises(ex.errors.ConfigError, match=window + r" of the window\. Fix: .*profile_steps=\(9, 13\)"):
+        estimator(model_dir, steps_per_loop=4, profile_steps=(20, 30)).train(DATA, max_steps=12)
+    assert _steps(model_dir) == [8]  # refused before the first step
+    with pytest.raises(ex.errors.ConfigError, match=r"model_dir=None\) has none"):
+        estimator(None, profile_steps=(1, 3)).train(DATA, max_steps=4)
+
+
+# -- the unclear cases get one-line answers ---------------------------------------------------
+
+
+def test_evaluate_of_a_missing_step_lists_the_steps_that_exist(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, save_every_steps=2)
+    est.train(DATA, max_steps=4)
+    with pytest.raises(ex.errors.CheckpointError, match=r"checkpoint=999\): model_dir has no checkpoint of step 999; "
+                       r"it has steps \[2, 4\]\. Fix:"):  # fmt: skip
+        est.evaluate(DATA, checkpoint=999)
+
+
+def test_a_predict_generator_continued_after_train_is_an_error_naming_why(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, predict_batch_size=64)
+    est.train(DATA, max_steps=2)
+    predictions = est.predict(DATA)
+    next(predictions)
+    est.train(DATA, max_steps=4)
+    with pytest.raises(ex.errors.EstimaxError, match=r"generator predicts with the state of step 2, whose arrays "
+                       r"train\(\) has since given to training.*Fix: finish iterating before training"):  # fmt: skip
+        list(predictions)
+    assert len(list(est.predict(DATA))) == 256  # a new generator predicts with the new state
+
+
+def test_save_every_steps_and_a_checkpoint_policy_that_disagree_are_refused():
+    with pytest.raises(ex.errors.ConfigError, match=r"save_every_steps=5\) and checkpoint=CheckpointPolicy"
+                       r"\(every_steps=10\) disagree.*Fix: give only one"):  # fmt: skip
+        ex.RunConfig(save_every_steps=5, checkpoint=ex.CheckpointPolicy(every_steps=10))
+    agreeing = ex.RunConfig(save_every_steps=10, checkpoint=ex.CheckpointPolicy(every_steps=10, keep=2))
+    assert (agreeing.checkpoint.every_steps, agreeing.checkpoint.keep) == (10, 2)
+    assert ex.RunConfig(save_every_steps=5).checkpoint.every_steps == 5
+
+
+def test_an_estimator_used_from_two_threads_at_once_refuses_the_second():
+    import threading
+
+    est, inside, release, errors = estimator(steps_per_loop=2), threading.Event(), threading.Event(), []
+
+    class Holds(ex.Hook):
+        def begin(self, run):
+            inside.set()
+            release.wait()
+
+    def other():
+        inside.wait()
+        try:
+            est.evaluate(DATA)
+        except ex.errors.ConfigError as error:
+            errors.append(str(error))
+        release.set()
+
+    thread = threading.Thread(target=other, name="evaluator")
+    thread.start()
+    est.train(DATA, max_steps=4, hooks=[Holds()])
+    thread.join()
+    assert est.step == 4 and len(errors) == 1
+    assert "Estimator.evaluate() was called from thread 'evaluator' while Estimator.train() runs" in errors[0]
+    assert "Fix: give each thread its own Estimator" in errors[0]
+    est.evaluate(DATA)  # one at a time is fine
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00\x00garbage{"])
+def test_an_empty_or_garbage_lock_file_says_what_it_is_and_how_to_clear_it(tmp_path, content):
+    model_dir = str(tmp_path / "run")
+    os.makedirs(model_dir)
+    path = os.path.join(model_dir, LOCK_FILE)
+    with open(path, "wb") as f:
+        f.write(content)
+    os.utime(path, (time.time() - 60, time.time() - 60))  # left there a minute ago, not being written
+    what = "is empty" if not content else r"holds 10 bytes that are not a lock record"
+    with pytest.raises(ModelDirLocked, match=rf"has a lock file {path} that {what}.*Fix: if no estimax process "
+                       rf"writes into this model_dir, delete {path}\.$"):  # fmt: skip
+        estimator(model_dir).train(DATA, max_steps=2)
+    os.remove(path)
+    estimator(model_dir).train(DATA, max_steps=2)  # cleared as the message says
+    assert _steps(model_dir) == [2]

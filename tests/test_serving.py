@@ -161,7 +161,7 @@ def test_status_and_metadata(server):
         ({"inputs": {"x": [[1.5, 2, 3, 4]], "scale": ["a"]}}, 400, r"Feature 'scale' has dtype <U1"),
         ({"instances": [[1, 2, 3, 4]]}, 400, r"'instances' holds values; this model takes \['scale', 'x'\]"),
         ({"examples": []}, 400, r"exactly one of 'instances' and 'inputs'"),
-        (b"[" + b"0," * 400_000 + b"0]", 400, r"Request body of 800003 bytes; expected at most 524288"),
+        (b"[" + b"0," * 400_000 + b"0]", 413, r"Request body of 800003 bytes; expected at most 524288.*Fix:"),
     ],
     ids=[
         "malformed-json",
@@ -174,7 +174,7 @@ def test_status_and_metadata(server):
         "too-large",
     ],
 )
-def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, status, message):
+def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, body, status, message):
     answer = server.predict(body)
     assert answer[0] == status and re.search(message, answer[1]["error"]), answer
     assert server.predict({"instances": [{"x": [1, 2, 3, 4], "scale": 1}]})[0] == 200
@@ -259,3 +259,32 @@ def test_without_aiohttp_the_extra_is_named(artifact):
     env = {**os.environ, "PYTHONPATH": ROOT}
     result = subprocess.run([sys.executable, "-c", blocked, "serve", artifact], capture_output=True, text=True, env=env)
     assert result.returncode == 2 and "pip install 'estimax[serve]'" in result.stderr
+
+
+def test_nan_and_inf_in_answers_are_valid_json(server):
+    def strict(constant):
+        raise AssertionError(f"not JSON: {constant}")
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"instances": [{"x": [1e38, -1e38, 0, 0], "scale": 1e38}, {"x": [1, 2, 3, 4], "scale": 1}]}
+    conn.request("POST", "/v1/models/demo:predict", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    answer = json.loads(response.read(), parse_constant=strict)  # NaN, Infinity as bare words would fail here
+    conn.close()
+    assert response.status == 200
+    first = answer["predictions"][0]["logits"]
+    assert any(v in ("NaN", "Infinity", "-Infinity") for v in first), first
+    assert all(isinstance(v, float) for v in answer["predictions"][1]["logits"])
+
+
+def test_serve_on_a_busy_port_is_one_line(artifact):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        command = [sys.executable, "-m", "estimax.cli", "serve", artifact, "--host", "127.0.0.1", "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert f"estimax serve --host 127.0.0.1 --port {port}: cannot listen there" in result.stderr
+    assert "Fix: stop the process that listens on it, or pass another --port." in result.stderr

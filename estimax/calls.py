@@ -1,0 +1,75 @@
+"""What an Estimator call checks on entry: one thread at a time, a checkpoint
+asked for by step that exists, batch sizes that fit the devices.
+
+Owns those checks and their messages. Does not own what the calls do (the
+Estimator, ``training.py``, ``evaluator.py``) nor the checks of a model's
+outputs before the first step (``validation.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+from estimax import accumulation
+from estimax import mesh as mesh_lib
+from estimax.errors import CheckpointError, ConfigError
+
+
+def one_thread_at_a_time(method):
+    """An Estimator method that refuses to run while another thread is inside one: the
+    Estimator's state moves (its arrays are donated to each training step) and its
+    model_dir has one writer. A call inside a call of the same thread is allowed."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        guard = self.__dict__.setdefault("_call_guard", _CallGuard())  # dict.setdefault: atomic
+        with guard.entered(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+class _CallGuard:
+    def __init__(self):
+        self.lock, self.inside = threading.RLock(), None  # the outermost method running
+
+    @contextlib.contextmanager
+    def entered(self, name: str):
+        if not self.lock.acquire(blocking=False):
+            raise ConfigError(
+                f"Estimator.{name}() was called from thread {threading.current_thread().name!r} while "
+                f"Estimator.{self.inside or 'another method'}() runs in another thread; expected one call at a "
+                "time (training moves the Estimator's state). Fix: give each thread its own Estimator, or hold "
+                "a threading.Lock around the calls."
+            )
+        outer = self.inside
+        self.inside = outer or name
+        try:
+            yield
+        finally:
+            self.inside = outer
+            self.lock.release()
+
+
+def check_step(checkpointer, step, what: str) -> None:
+    """A checkpoint asked for by its step exists; otherwise the error lists those that do."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return
+    steps = checkpointer.steps()
+    if step not in steps:
+        raise CheckpointError(
+            f"Estimator.{what}(checkpoint={step}): model_dir has no checkpoint of step {step}; "
+            f"it has steps {steps or 'none'}. Fix: pass one of those steps, a checkpoint path, or "
+            "checkpoint=None for the current state."
+        )
+
+
+def check_batch_sizes(config, layout, mesh) -> None:
+    """The train, eval and predict batch sizes split over the devices (and into micro-batches)."""
+    if config.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
+        accumulation.check_batch_size(config.train_batch_size, config.grad_accum_steps, layout.batch)
+    mesh_lib.check_batch_size("train_batch_size", config.train_batch_size, mesh)
+    mesh_lib.check_batch_size("eval_batch_size", config.global_eval_batch_size, mesh)
+    mesh_lib.check_batch_size("predict_batch_size", config.global_predict_batch_size, mesh)
