@@ -1,7 +1,7 @@
 """Steady-state training throughput: estimax against hand-written JAX loops.
 
-Trains three models (a tiny host-bound MLP, a small LSTM and the TF official
-MNIST CNN) on synthetic data, in one process, with three contenders that share
+Trains four models (a tiny host-bound MLP, a small LSTM, the LM example's
+transformer and the TF official MNIST CNN) on synthetic data, in one process, with three contenders that share
 the model definition, the optimizer and the input (host numpy arrays, a fresh
 permutation per epoch, rows gathered per batch):
 
@@ -47,6 +47,7 @@ import optax
 from flax import nnx
 
 import estimax as ex
+from estimax.examples import lm
 
 IN_FLIGHT = 10  # the jit_step reference waits on the step this many calls back
 
@@ -89,6 +90,15 @@ class CNN(nnx.Module):
         return self.out(self.dropout(nnx.relu(self.dense(x.reshape(x.shape[0], -1)))))
 
 
+def language_model(rngs: nnx.Rngs) -> nnx.Module:
+    """The LM example's transformer (``estimax/examples/lm.py``): 2 blocks of width 128 over 64 bytes."""
+    return lm.Transformer(seq_len=64, dim=128, num_heads=4, num_layers=2, mlp_ratio=4, rngs=rngs)
+
+
+def token_cross_entropy(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(axis=-1)
+
+
 def cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
@@ -110,9 +120,13 @@ class Workload:
     steps: int  # per timed window of jit_step and estimax (a multiple of k)
     scan_steps: int | None = None  # per timed window of jit_scan (a multiple of k); default: steps
     examples: int = 8192
+    tokens: bool = False  # integer bytes in and out (the LM)
 
     def data(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
+        if self.tokens:
+            windows = rng.integers(0, 256, (self.examples, self.x_shape[0] + 1)).astype(np.int32)
+            return windows[:, :-1], windows[:, 1:]
         x = rng.standard_normal((self.examples, *self.x_shape), dtype=np.float32)
         if self.y_shape is None:
             return x, rng.integers(0, 10, self.examples).astype(np.int32)
@@ -122,6 +136,9 @@ class Workload:
 WORKLOADS = {
     "mlp": Workload("mlp", MLP, cross_entropy, (784,), None, batch=32, lr=0.01, k=50, steps=30000),
     "lstm": Workload("lstm", LSTM, squared_error, (10, 10), (10,), batch=128, lr=0.001, k=50, steps=9000),
+    "lm": Workload(
+        "lm", language_model, token_cross_entropy, (64,), (64,), batch=16, lr=0.05, k=20, steps=400, tokens=True
+    ),
     "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=14, steps=42, scan_steps=14),
 }
 
