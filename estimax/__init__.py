@@ -15,21 +15,26 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run time, imported on first use
     from estimax import data as data
     from estimax import distributed as distributed
+    from estimax import errors as errors
     from estimax import metrics as metrics
     from estimax import models as models
     from estimax import serving as serving
     from estimax import task as task
     from estimax import trackers as trackers
-    from estimax.checkpoint import CheckpointError as CheckpointError
     from estimax.config import CheckpointPolicy as CheckpointPolicy
     from estimax.config import RunConfig as RunConfig
-    from estimax.diagnose import ModelFnError as ModelFnError
+    from estimax.errors import CheckpointError as CheckpointError
+    from estimax.errors import EstimaxError as EstimaxError
+    from estimax.errors import ModelDirLocked as ModelDirLocked
+    from estimax.errors import ModelDirLockedError as ModelDirLockedError
+    from estimax.errors import ModelDirNotWritable as ModelDirNotWritable
+    from estimax.errors import ModelDirNotWritableError as ModelDirNotWritableError
+    from estimax.errors import ModelFnError as ModelFnError
+    from estimax.errors import NonFiniteError as NonFiniteError
     from estimax.estimator import Estimator as Estimator
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
-    from estimax.lock import ModelDirLocked as ModelDirLocked
-    from estimax.lock import ModelDirNotWritable as ModelDirNotWritable
     from estimax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from estimax.preemption import Interrupted as Interrupted
     from estimax.preemption import Preempted as Preempted
@@ -39,19 +44,21 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.spec import Mode as Mode
     from estimax.spec import Spec as Spec
     from estimax.state import TrainState as TrainState
-    from estimax.training import NonFiniteError as NonFiniteError
     from estimax.warm_start import WarmStart as WarmStart
 
-_SUBMODULES = ("data", "distributed", "metrics", "models", "serving", "task", "trackers")
+_SUBMODULES = ("data", "distributed", "errors", "metrics", "models", "serving", "task", "trackers")
 _NAMES = {
-    "CheckpointError": "estimax.checkpoint",
+    "CheckpointError": "estimax.errors",
+    "EstimaxError": "estimax.errors",
+    "ModelDirLockedError": "estimax.errors",
+    "ModelDirNotWritableError": "estimax.errors",
     "CheckpointPolicy": "estimax.config",
     "RunConfig": "estimax.config",
     "Estimator": "estimax.estimator",
     "UntrainedWarning": "estimax.estimator",
-    "ModelFnError": "estimax.diagnose",
-    "ModelDirLocked": "estimax.lock",
-    "ModelDirNotWritable": "estimax.lock",
+    "ModelFnError": "estimax.errors",
+    "ModelDirLocked": "estimax.errors",
+    "ModelDirNotWritable": "estimax.errors",
     "Interrupted": "estimax.preemption",
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",
@@ -63,7 +70,7 @@ _NAMES = {
     "Mode": "estimax.spec",
     "Spec": "estimax.spec",
     "TrainState": "estimax.state",
-    "NonFiniteError": "estimax.training",
+    "NonFiniteError": "estimax.errors",
     "WarmStart": "estimax.warm_start",
 }
 

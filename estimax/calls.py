@@ -11,22 +11,27 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from estimax import accumulation
 from estimax import mesh as mesh_lib
 from estimax.errors import CheckpointError, ConfigError
 
+P = ParamSpec("P")
+R = TypeVar("R")
 
-def one_thread_at_a_time(method):
+
+def one_thread_at_a_time(method: Callable[P, R]) -> Callable[P, R]:
     """An Estimator method that refuses to run while another thread is inside one: the
     Estimator's state moves (its arrays are donated to each training step) and its
     model_dir has one writer. A call inside a call of the same thread is allowed."""
 
     @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        guard = self.__dict__.setdefault("_call_guard", _CallGuard())  # dict.setdefault: atomic
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        guard = args[0].__dict__.setdefault("_call_guard", _CallGuard())  # dict.setdefault: atomic
         with guard.entered(method.__name__):
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
 
     return call
 

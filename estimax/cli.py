@@ -172,19 +172,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Mistakes in a task, its input or the settings, and estimax's own error classes (no traceback)."""
+    """Mistakes in a task, its input or the settings (no traceback): every estimax error, and the
+    built-in errors a task's own code raises about its settings."""
     from estimax.errors import EstimaxError  # imports nothing heavy
 
-    errors = [EstimaxError, ValueError, TypeError, FileNotFoundError, ImportError]
-    for module, name in (
-        ("estimax.training", "NonFiniteError"),
-        ("estimax.distributed", "SyncTimeout"),
-        ("estimax.lock", "ModelDirLocked"),
-        ("estimax.lock", "ModelDirNotWritable"),
-    ):
-        if module in sys.modules:  # only once JAX is loaded: an error before that is none of these
-            errors.append(getattr(sys.modules[module], name))
-    return tuple(errors)
+    return (EstimaxError, ValueError, TypeError, FileNotFoundError, ImportError)
 
 
 class _Version(argparse.Action):

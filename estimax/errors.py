@@ -46,3 +46,34 @@ class SyncTimeoutError(DistributedError):
 
 class WriterError(EstimaxError, OSError):
     """A metrics, TensorBoard or tracker writer failed or stalled (a full disk, an unreachable server)."""
+
+
+class EvaluationError(EstimaxError, RuntimeError):
+    """The evaluation input, a metric's ``compute`` or a ``host_metrics`` function raised."""
+
+
+class NonFiniteError(EstimaxError, FloatingPointError):
+    """A NaN or Inf in the loss or the gradients stopped training."""
+
+
+class ModelDirLockedError(EstimaxError, RuntimeError):
+    """Another process writes into this model_dir."""
+
+
+class ModelDirNotWritableError(EstimaxError, PermissionError):
+    """The model_dir cannot be written (permissions, a read-only file system, a full disk)."""
+
+
+class ServingError(EstimaxError, ValueError):
+    """An exported model or a serving setup that cannot work."""
+
+
+class ArtifactError(ServingError):
+    """An exported model that cannot be loaded: missing, truncated or altered files."""
+
+
+ModelDirLocked = ModelDirLockedError
+"""The name of ``ModelDirLockedError`` in earlier releases."""
+
+ModelDirNotWritable = ModelDirNotWritableError
+"""The name of ``ModelDirNotWritableError`` in earlier releases."""

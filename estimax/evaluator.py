@@ -28,13 +28,9 @@ from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
-from estimax.errors import EstimaxError, InputError
+from estimax.errors import EstimaxError, EvaluationError, InputError
 from estimax.loop import EvalRunner
 from estimax.progress import EvalProgress
-
-
-class EvaluationError(EstimaxError, RuntimeError):
-    """The evaluation input, a metric's ``compute`` or a ``host_metrics`` function raised."""
 
 
 def _describe(error: BaseException) -> str:

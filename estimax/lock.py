@@ -33,19 +33,14 @@ import threading
 import time
 
 from estimax import storage
-from estimax.errors import EstimaxError
+from estimax.errors import ModelDirLockedError, ModelDirNotWritableError
 
 logger = logging.getLogger("estimax")
 
 LOCK_FILE = "estimax.lock"
 
 
-class ModelDirLocked(EstimaxError, RuntimeError):
-    """Another process writes into this model_dir."""
-
-
-class ModelDirNotWritable(EstimaxError, PermissionError):
-    """The model_dir cannot be written (permissions, a read-only file system, a full disk)."""
+from estimax.errors import ModelDirLocked, ModelDirNotWritable  # noqa: E402,F401  (earlier names)
 
 
 class Lock:
@@ -74,7 +69,7 @@ class Lock:
                 time.sleep(0.05)
                 continue
             if not is_stale(holder):
-                raise ModelDirLocked(
+                raise ModelDirLockedError(
                     f"model_dir {self.model_dir} is being written by another process: {describe(holder)}. "
                     "Expected one writer per model_dir. Fix: wait for it to finish, stop it, or use another "
                     f"model_dir; if that process is gone (another host), delete {self.path}."
@@ -88,7 +83,7 @@ class Lock:
         if self._create(record):
             self.held = True
             return self
-        raise ModelDirLocked(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
+        raise ModelDirLockedError(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
 
     def release(self) -> None:
         if not self.held:
@@ -175,7 +170,7 @@ def _check_not_garbage(path: str, model_dir: str) -> None:
         if not content.strip()
         else f"holds {len(content)} bytes that are not a lock record: {content[:40]!r}"
     )
-    raise ModelDirLocked(
+    raise ModelDirLockedError(
         f"model_dir {model_dir} has a lock file {path} that {what}; expected the JSON record (host, pid, "
         "command) an estimax writer leaves there. It is no estimax lock (a copy, an editor or a full disk left "
         f"it). Fix: if no estimax process writes into this model_dir, delete {path}."
@@ -218,14 +213,14 @@ def process_start(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def not_writable(directory: str, error: OSError) -> ModelDirNotWritable:
+def not_writable(directory: str, error: OSError) -> ModelDirNotWritableError:
     reason = os.strerror(error.errno) if error.errno else str(error)
     fix = (
         "free space on that file system"
         if error.errno in (errno.ENOSPC, errno.EDQUOT)
         else "use a directory this process can write, or fix its permissions"
     )
-    return ModelDirNotWritable(
+    return ModelDirNotWritableError(
         f"model_dir {directory} is not writable ({reason}); expected a directory where checkpoints and "
         f"metrics can be written. Fix: {fix}. Reading its checkpoints (evaluate, predict, "
         "checkpoint=...) needs no write access."
@@ -263,7 +258,7 @@ class LeaseLock:
             age = time.time() - float(holder.get("renewed_at", 0))
             gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
             if age <= float(holder.get("lease_seconds", self.lease_seconds)) and not gone:
-                raise ModelDirLocked(
+                raise ModelDirLockedError(
                     f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
                     f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
                     "finish, stop it, or use another model_dir; a holder that is gone releases the lock when its "
@@ -279,7 +274,7 @@ class LeaseLock:
                     else f"its lease expired {age - float(holder.get('lease_seconds', self.lease_seconds)):.0f} s ago",
                     describe(holder),
                 )
-        raise ModelDirLocked(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
+        raise ModelDirLockedError(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
 
     def release(self) -> None:
         if not self.held:

@@ -29,8 +29,8 @@ import jax
 from estimax import storage
 from estimax.checkpoint import Checkpointer
 from estimax.config import CheckpointPolicy
-from estimax.errors import ConfigError, StorageError
-from estimax.lock import ModelDirLocked, ModelDirNotWritable, lock_for
+from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
+from estimax.lock import lock_for
 
 logger = logging.getLogger("estimax")
 
@@ -105,14 +105,15 @@ class RunDir:
         if primary:
             try:
                 self.lock.acquire()
-            except (ModelDirLocked, ModelDirNotWritable, StorageError) as error:
+            except (ModelDirLockedError, ModelDirNotWritableError, StorageError) as error:
                 outcome = f"{type(error).__name__}:{error}"
         outcome = sync.share("taking the model_dir lock", outcome)
         if outcome != "ok":
             kind, text = outcome.split(":", 1)
-            raise {"ModelDirLocked": ModelDirLocked, "ModelDirNotWritable": ModelDirNotWritable}.get(
-                kind, StorageError
-            )(text)
+            raise {
+                "ModelDirLockedError": ModelDirLockedError,
+                "ModelDirNotWritableError": ModelDirNotWritableError,
+            }.get(kind, StorageError)(text)
         try:
             self.checkpoints.open_for_writing(primary)
             if best is not None:
@@ -140,7 +141,7 @@ class RunDir:
             return
         try:
             self.lock.acquire()
-        except (ModelDirLocked, ModelDirNotWritable, StorageError) as error:
+        except (ModelDirLockedError, ModelDirNotWritableError, StorageError) as error:
             logger.warning("%s is not written to %s: %s", what, self.url, error)
             yield False
             return

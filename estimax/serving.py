@@ -18,16 +18,13 @@ import jax
 import numpy as np
 
 from estimax import storage
+from estimax.errors import ArtifactError
 from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
 # exporter. JAX releases a minor version about every two months, with patch releases within it, so
 # versions stand in for dates: newer by more than 3 minor versions, or older by more than a patch.
 NEWER_MINORS_SUPPORTED = 3
-
-
-class ArtifactError(ValueError):
-    """An exported model that cannot be loaded: missing, truncated or altered files."""
 
 
 class ExportedModel:

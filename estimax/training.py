@@ -23,17 +23,13 @@ from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.data.source import SizedSource
 from estimax.distributed import Sync
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, NonFiniteError
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
 
 logger = logging.getLogger("estimax")
-
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or Inf in the loss or the gradients stopped training."""
 
 
 @dataclasses.dataclass

@@ -147,7 +147,7 @@ def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode != 0
     # Process 0 tried the lock; process 1 learnt the outcome from it: both stop with the same error.
-    assert out.count("ModelDirLocked: model_dir") >= 2 and "host elsewhere, pid 4242" in out, out
+    assert out.count("ModelDirLockedError: model_dir") >= 2 and "host elsewhere, pid 4242" in out, out
     assert _steps(model_dir) == [] and json.load(open(os.path.join(model_dir, LOCK_FILE))) == holder
 
 
@@ -383,7 +383,7 @@ def test_a_full_disk_during_a_save_is_one_line_naming_the_last_good_checkpoint(t
         out = _job(model_dir, 8, expect=1)
         # One line; on Python 3.13 a library thread may still print a line of its own at interpreter shutdown.
         assert (
-            f"estimax.checkpoint.CheckpointError: A checkpoint save in {model_dir}/checkpoints failed: "
+            f"estimax.errors.CheckpointError: A checkpoint save in {model_dir}/checkpoints failed: "
             f"No space left on device; the last good checkpoint is step 4 "
             f"({model_dir}/checkpoints/4). Fix: free space there (or raise the quota), then run the same command "
             "again to resume from it."
