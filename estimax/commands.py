@@ -10,6 +10,7 @@ to be well-formed: importing it imports JAX.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -21,6 +22,7 @@ from estimax import compile_cache, distributed, storage
 from estimax import task as task_lib
 from estimax.config import RunConfig
 from estimax.data import feed
+from estimax.errors import ConfigError, ModelFnError
 from estimax.flags import RUN_FLAGS, with_fsdp
 
 COMMAND_DEFAULTS = ("max_steps", "eval_every", "model_dir")  # DEFAULTS that are no RunConfig field
@@ -56,9 +58,28 @@ def run(args: argparse.Namespace) -> int:
             settings[run_flag.field] = value
     if args.fsdp is not None:
         settings["mesh"] = with_fsdp(settings.get("mesh"), args.fsdp)
-    estimator = task.estimator(RunConfig(**settings))
+    config = RunConfig(**settings)
+    with _naming_set(args.set, "the model cannot be built"):
+        estimator = task.estimator(config)
     first = jax.process_index() == 0  # process 0 speaks for the group
-    return COMMANDS[args.command](args, task, estimator, first)
+    with _naming_set(args.set, "the model_fn fails", only=ModelFnError):
+        return COMMANDS[args.command](args, task, estimator, first)
+
+
+@contextlib.contextmanager
+def _naming_set(assignments, what: str, only: type[BaseException] = Exception):
+    """A model that fails with ``--set`` values names them: they are the likely cause."""
+    try:
+        yield
+    except only as error:
+        if not assignments or isinstance(error, ConfigError):
+            raise
+        given = " ".join(f"--set {name}={value}" for name, value in assignments)
+        cause = (str(error).splitlines() or [""])[0].split(" Fix: ")[0].rstrip(" .;")  # its own fix is for code
+        raise ConfigError(
+            f"With {given}, {what}: {type(error).__name__}: {cause}. "
+            "Fix: a value the model accepts, or leave the --set out for the task's default."
+        ) from error
 
 
 def train(args, task, estimator, first: bool) -> int:

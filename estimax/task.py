@@ -32,6 +32,7 @@ parsing (``cli.py``) and no training.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -39,6 +40,8 @@ import os
 import sys
 from collections.abc import Mapping
 from types import ModuleType
+
+from estimax.errors import ConfigError
 
 REQUIRED = ("model", "model_fn", "optimizer", "train_input", "eval_input", "params")
 """The names every task module defines."""
@@ -204,18 +207,34 @@ def _import(spec: str) -> ModuleType:
         module = importlib.util.module_from_spec(module_spec)
         sys.path.insert(0, os.path.dirname(path))  # its sibling modules import as they would under `python file.py`
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        with _syntax_named(spec):
+            module_spec.loader.exec_module(module)
         return module
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # as `python -m` does: the user's package in the working directory
     try:
-        return importlib.import_module(spec)
+        with _syntax_named(spec):
+            return importlib.import_module(spec)
     except ModuleNotFoundError as error:
         if error.name is None or not (spec == error.name or spec.startswith(error.name + ".")):
             raise  # the task itself imports something missing: that module's error
         raise ValueError(
             f"No task module {spec!r} (no module named {error.name!r} from {os.getcwd()}); expected a module "
             "path importable from the working directory, or a .py file."
+        ) from None
+
+
+@contextlib.contextmanager
+def _syntax_named(spec: str):
+    """A syntax error in the task (or a module it imports) is one line: file, line and the code there."""
+    try:
+        yield
+    except SyntaxError as error:
+        code = (error.text or "").strip()
+        raise ConfigError(
+            f"Task {spec!r} does not compile: {error.filename}, line {error.lineno}: {error.msg}"
+            + (f" in `{code}`" if code else "")
+            + "; expected valid Python. Fix: correct that line (`python -m py_compile FILE` checks a file)."
         ) from None
 
 

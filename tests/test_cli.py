@@ -108,3 +108,27 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
     assert (
         result.returncode == 1 and "Traceback" in result.stderr and "ValueError: --set learning_rate" in result.stderr
     )
+
+
+def test_a_task_with_a_syntax_error_names_the_file_and_line(tmp_path):
+    task = tmp_path / "broken_task.py"
+    task.write_text("import estimax as ex\n\n\ndef model(rngs, params:\n    pass\n")
+    result = _run("train", str(task), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(
+        rf"Task '{task}' does not compile: {task}, line 4: .* in `def model\(rngs, params:`", result.stderr
+    )
+    assert "Fix:" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_a_set_value_that_breaks_the_model_names_it(tmp_path):
+    result = _run("train", "--set", "num_classes=0", "--max-steps", "1", cwd=tmp_path)
+    expected = (
+        "estimax: error: With --set num_classes=0, the model cannot be built: ZeroDivisionError: float division by "
+        "zero. Fix: a value the model accepts"
+    )
+    assert result.returncode == 2 and result.stderr.startswith(expected), result.stderr
+    assert len(result.stderr.splitlines()) == 1 and not os.path.exists(tmp_path / "runs" / "digits" / "checkpoints")
+    result = _run("train", "--set", "image_size=4", "--max-steps", "1", cwd=tmp_path)  # fails in the first step
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines()[-1].startswith("estimax: error: With --set image_size=4, the model_fn fails:")
