@@ -21,6 +21,7 @@ this machine.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from estimax.flags import RUN_FLAGS, non_negative_int, positive_int
@@ -169,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"estimax: error: {message} (--debug shows the traceback)", file=sys.stderr)
         return USER_ERROR_EXIT
+    except KeyboardInterrupt:  # a third Ctrl-C (two stop and save): at once, without a traceback
+        if args.debug:
+            raise
+        print("estimax: interrupted: stopped at once; the checkpoints already written are kept.", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

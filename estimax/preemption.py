@@ -88,7 +88,8 @@ def interactive() -> bool:
 class PreemptionWatch:
     """While active, remembers a SIGTERM/SIGINT instead of dying on it.
 
-    A second SIGINT (Ctrl-C twice) raises ``KeyboardInterrupt`` at once.
+    A second SIGINT (Ctrl-C twice) is one line: the stop and the save are under way. A third
+    raises ``KeyboardInterrupt`` at once, without the save.
     """
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -97,6 +98,7 @@ class PreemptionWatch:
         self.signal_name: str | None = None
         self.saves = saves  # whether training saves a checkpoint before it stops (a model_dir)
         self._previous: dict = {}
+        self._repeats = 0  # SIGINTs after the first
 
     def __enter__(self) -> PreemptionWatch:
         # Handlers can only be set from the main thread; JAX handles SIGTERM itself across processes.
@@ -115,7 +117,12 @@ class PreemptionWatch:
 
     def _handle(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            self._repeats += 1
+            if self._repeats > 1:
+                raise KeyboardInterrupt
+            logger.warning("SIGINT again: already stopping%s; a third Ctrl-C quits without it.",
+                           " and saving" if self.saves else "")  # fmt: skip
+            return
         self.signal_name = signal.Signals(signum).name
         then = "returning to the prompt" if signum == signal.SIGINT and interactive() else "exiting"
         then = f"saving and {then}" if self.saves else f"{then} (no model_dir: nothing is saved)"

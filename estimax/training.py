@@ -139,17 +139,18 @@ class TrainingLoop:
                         self.stopped = True
                         logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
                         break
-            with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
-                if previous is not None:
-                    self._after_loop(previous, chunks, final=True)
-                if preemption.signal_name is None and evaluation is not None and not stop:
-                    self._evaluate(evaluation, state, previous, preemption, final=True)
-            if self.checkpointer.saves and last is not None:
-                self._save(state, last)
-            self.profiler.stop(state)
-            timer = time.perf_counter()
-            self.checkpointer.wait()
-            self.seconds["checkpoint"] += time.perf_counter() - timer
+                # Still watching: a signal during the final save is one line, and the save completes.
+                with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
+                    if previous is not None:
+                        self._after_loop(previous, chunks, final=True)
+                    if preemption.signal_name is None and evaluation is not None and not stop:
+                        self._evaluate(evaluation, state, previous, preemption, final=True)
+                if self.checkpointer.saves and last is not None:
+                    self._save(state, last)
+                self.profiler.stop(state)
+                timer = time.perf_counter()
+                self.checkpointer.wait()
+                self.seconds["checkpoint"] += time.perf_counter() - timer
             self.seconds["input_wait"] = chunks.wait_seconds
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:

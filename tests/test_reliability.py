@@ -612,3 +612,39 @@ def test_an_empty_or_garbage_lock_file_says_what_it_is_and_how_to_clear_it(tmp_p
     os.remove(path)
     estimator(model_dir).train(DATA, max_steps=2)  # cleared as the message says
     assert _steps(model_dir) == [2]
+
+
+def _read_line_with(stream, text, lines):
+    """Reads ``stream`` line by line (into ``lines``) until one holds ``text``; the child's readiness."""
+    for line in stream:
+        lines.append(line)
+        if text in line:
+            return
+    raise AssertionError(f"no {text!r} in {''.join(lines)}")
+
+
+def test_two_ctrl_c_in_a_row_save_and_exit_75_with_short_output(model_dir):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), TESTS])}
+    job = subprocess.Popen(
+        [sys.executable, JOB, model_dir, "100000", "slow"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines = []
+    try:
+        _read_line_with(job.stdout, "train step", lines)  # training runs
+        job.send_signal(signal.SIGINT)
+        _read_line_with(job.stdout, "SIGINT received", lines)  # the first is being acted on
+        job.send_signal(signal.SIGINT)
+        lines += job.stdout.readlines()
+        assert job.wait(timeout=120) == 75, "".join(lines)
+    finally:
+        job.kill()
+    out = "".join(lines)
+    assert "SIGINT again: already stopping and saving; a third Ctrl-C quits without it." in out
+    stopped = int(out.split("training stopped at step ")[1].split()[0])
+    assert f"training stopped at step {stopped} after saving a checkpoint of it to" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    assert _steps(model_dir)[-1] == stopped and estimator(model_dir).step == stopped  # the save finished
