@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from estimax import counting
 from estimax import metrics as metrics_lib
 
 
@@ -112,8 +113,7 @@ def check_batch_size(global_batch_size: int, grad_accum_steps: int, batch_shardi
     multiple = grad_accum_steps * math.lcm(num_batch_shards, jax.process_count())
     if global_batch_size % multiple == 0:
         return
-    lower = global_batch_size // multiple * multiple
-    nearest = " or ".join(str(b) for b in (lower, lower + multiple) if b > 0)
+    nearest = counting.nearest_multiples(global_batch_size, multiple)
     processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
     raise ValueError(
         f"RunConfig(train_batch_size={global_batch_size}) with grad_accum_steps={grad_accum_steps} does not "

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import noise, storage
+from estimax import counting, noise, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
@@ -119,7 +119,7 @@ class Checkpointer:
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
         every, seconds = self.policy.every_steps, self.policy.every_seconds
-        by_steps = every is not None and step_after // every > step_before // every
+        by_steps = counting.crossed(every, step_before, step_after)
         by_time = seconds is not None and time.monotonic() - self._last_save >= seconds
         return by_steps or by_time
 

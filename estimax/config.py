@@ -8,8 +8,10 @@ touches devices or files.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
+from estimax import counting
 from estimax.errors import ConfigError
 from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
@@ -165,12 +167,15 @@ class RunConfig:
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
             _check_positive("RunConfig", name, getattr(self, name))
         if self.train_batch_size % self.grad_accum_steps:
-            lower = self.train_batch_size // self.grad_accum_steps * self.grad_accum_steps
-            nearest = " or ".join(str(b) for b in (lower, lower + self.grad_accum_steps) if b > 0)
-            raise ValueError(
+            import jax  # the suggestions also split over the devices, as the Estimator's check requires
+
+            devices = math.lcm(self.num_devices or jax.device_count(), jax.process_count())
+            multiple = self.grad_accum_steps * devices
+            raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
                 f"grad_accum_steps={self.grad_accum_steps} equal micro-batches; expected a multiple of "
-                f"{self.grad_accum_steps}. Fix: use train_batch_size {nearest}."
+                f"{self.grad_accum_steps} (and of {multiple} to split over {devices} devices). Fix: use "
+                f"train_batch_size {counting.nearest_multiples(self.train_batch_size, multiple)}."
             )
         if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
             raise ValueError(

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import sys
 from collections.abc import Callable, Iterator
 
 import jax
 
+from estimax import counting
 from estimax import host_metrics as host_metrics_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
@@ -182,6 +182,6 @@ class Evaluator:
             yield from rows(*pending)
 
     def _bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
-        shown = not self.quiet and jax.process_index() == 0 and sys.stderr.isatty()
+        shown = counting.progress_bar_shows(self.quiet)
         total = -(-len(input) // batch_size) if isinstance(input, SizedSource) else None
         return EvalProgress(min(filter(None, (total, steps)), default=None), shown)

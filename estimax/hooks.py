@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from estimax import counting
 from estimax.errors import ConfigError
 
 logger = logging.getLogger("estimax")
@@ -65,7 +66,7 @@ class LoopRecord:
 
     def crossed(self, every: int | None) -> bool:
         """Whether this loop crossed a multiple of ``every`` steps."""
-        return bool(every) and self.step_after // every > self.step_before // every
+        return counting.crossed(every, self.step_before, self.step_after)
 
 
 @dataclasses.dataclass(frozen=True)

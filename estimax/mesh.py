@@ -17,6 +17,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from estimax import counting
+
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # both split the batch; FSDP also shards the state
@@ -92,9 +94,7 @@ def check_batch_size(name: str, global_batch_size: int, mesh: Mesh) -> None:
     num_shards = math.prod(mesh.shape[a] for a in axes)
     if global_batch_size % num_shards == 0 and global_batch_size % jax.process_count() == 0:
         return
-    lower = global_batch_size // num_shards * num_shards
-    upper = lower + num_shards
-    nearest = " or ".join(str(b) for b in (lower, upper) if b > 0)
+    nearest = counting.nearest_multiples(global_batch_size, num_shards)
     over = (
         "the data axis"
         if axes == (DATA_AXIS,)

@@ -13,7 +13,7 @@ import sys
 
 import jax
 
-from estimax import flops, trackers
+from estimax import counting, flops, trackers
 from estimax.hooks import Hook
 from estimax.progress import ProgressBar
 from estimax.report import MetricLogger
@@ -43,7 +43,7 @@ def builtin_hooks(config, train_writers: list, num_devices: int) -> list[Hook]:
         tokens_per_example=config.tokens_per_example,
     )
     hooks: list[Hook] = [logger_hook]
-    if not config.quiet and jax.process_index() == 0 and sys.stderr.isatty():
+    if counting.progress_bar_shows(config.quiet):
         hooks.append(ProgressBar(config.train_batch_size))
     return hooks
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.data.source import SizedSource
@@ -123,10 +124,7 @@ class TrainingLoop:
                         self.profiler.after_loop(step, state)
                         if preemption.requested(step, since=current.step_before):
                             break
-                    if evaluation is not None and (
-                        evaluation.every_steps
-                        and step // evaluation.every_steps > current.step_before // evaluation.every_steps
-                    ):
+                    if evaluation is not None and counting.crossed(evaluation.every_steps, current.step_before, step):
                         # A failed evaluation ends training: the state it evaluated is saved first.
                         with self._saving_on_error(state, current, due or self.checkpointer.saves):
                             if previous is not None:  # the evaluation waits for this loop anyway: report it, untimed
