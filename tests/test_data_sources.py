@@ -189,7 +189,7 @@ def test_input_wait_fraction_is_logged_and_large_only_when_input_is_slow(model_d
     features, labels = blobs(512)
 
     def slow(i):
-        time.sleep(0.002)  # 64 ms per batch of 32: far slower than a step of this MLP
+        time.sleep(0.008)  # 256 ms per batch of 32: far slower than a step of this MLP, even on a loaded machine
         return {"x": features["x"][i]}, labels[i]
 
     options = grain.ReadOptions(num_threads=1, prefetch_buffer_size=32)
