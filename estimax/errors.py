@@ -48,7 +48,7 @@ class WriterError(EstimaxError, OSError):
     """A metrics, TensorBoard or tracker writer failed or stalled (a full disk, an unreachable server)."""
 
 
-class EvaluationError(EstimaxError, RuntimeError):
+class EvaluationError(EstimaxError, ValueError):
     """The evaluation input, a metric's ``compute`` or a ``host_metrics`` function raised."""
 
 

@@ -83,8 +83,8 @@ def _named_input(batches: Iterator) -> Iterator:
             batch = next(batches)
         except StopIteration:
             return
-        except EstimaxError:
-            raise
+        except (EstimaxError, TypeError, ValueError):
+            raise  # the input checks' own errors name the example and the fix already
         except Exception as error:
             raise EvaluationError(
                 f"The evaluation input raised {_describe(error)} reading batch {count + 1} "

@@ -38,7 +38,18 @@ class _NoCredentials(logging.Filter):
 
 class _ClosedLoop(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and _is_closed_loop(record.exc_info[1])) and _CLOSED not in record.getMessage()
+        return not (
+            (record.exc_info and _is_closed_loop(record.exc_info[1]))
+            or _CLOSED in record.getMessage()
+            or _unretrieved_full_disk(record)
+        )
+
+
+def _unretrieved_full_disk(record: logging.LogRecord) -> bool:
+    """asyncio's "Future exception was never retrieved" for a save that failed on a full disk: the
+    checkpoint's own one-line error (``CheckpointError``) has said it already."""
+    text = record.getMessage() + (repr(record.exc_info[1]) if record.exc_info else "")
+    return "never retrieved" in text and ("No space left on device" in text or "os_error_code='28'" in text)
 
 
 def _unraisable(previous):

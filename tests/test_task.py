@@ -14,10 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _readme_task() -> str:
-    """The complete task module of the README's "Your own program" section: the test runs the manual's file."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        section = f.read().split("## Your own program: task modules", 1)[1]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    """The complete task module of the task-modules guide: the test runs the manual's file."""
+    with open(os.path.join(ROOT, "docs", "guides", "task-modules.md")) as f:
+        return f.read().split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def _estimax(*args, cwd, check=True):
