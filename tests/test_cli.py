@@ -123,12 +123,11 @@ def test_a_task_with_a_syntax_error_names_the_file_and_line(tmp_path):
 
 def test_a_set_value_that_breaks_the_model_names_it(tmp_path):
     result = _run("train", "--set", "num_classes=0", "--max-steps", "1", cwd=tmp_path)
-    expected = (
-        "estimax: error: With --set num_classes=0, the model cannot be built: ZeroDivisionError: float division by "
-        "zero. Fix: a value the model accepts"
-    )
-    assert result.returncode == 2 and result.stderr.startswith(expected), result.stderr
-    assert len(result.stderr.splitlines()) == 1 and not os.path.exists(tmp_path / "runs" / "digits" / "checkpoints")
+    # Flax 0.10 refuses to build the empty layer; Flax 0.12 builds it and the first step fails.
+    last = result.stderr.splitlines()[-1]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert last.startswith("estimax: error: With --set num_classes=0, the model") and "Fix: a value the model" in last
+    assert not os.path.exists(tmp_path / "runs" / "digits" / "checkpoints")
     result = _run("train", "--set", "image_size=4", "--max-steps", "1", cwd=tmp_path)  # fails in the first step
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines()[-1].startswith("estimax: error: With --set image_size=4, the model_fn fails:")
