@@ -21,6 +21,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax import serving as serving
     from estimax import task as task
     from estimax import trackers as trackers
+    from estimax.config import Best as Best
     from estimax.config import CheckpointPolicy as CheckpointPolicy
     from estimax.config import RunConfig as RunConfig
     from estimax.errors import CheckpointError as CheckpointError
@@ -52,6 +53,7 @@ _NAMES = {
     "EstimaxError": "estimax.errors",
     "ModelDirLockedError": "estimax.errors",
     "ModelDirNotWritableError": "estimax.errors",
+    "Best": "estimax.config",
     "CheckpointPolicy": "estimax.config",
     "RunConfig": "estimax.config",
     "Estimator": "estimax.estimator",

@@ -70,8 +70,10 @@ class Checkpointer:
     def _open(self, read_only: bool) -> ocp.CheckpointManager:
         policy, keep_every, best_options = self.policy, self.policy.keep_every_hours, {}
         if self._best is not None:
-            metric, mode = self._best
-            best_options = dict(best_fn=lambda m: m[metric], best_mode=mode, keep_checkpoints_without_metrics=False)
+            metric, direction = self._best
+            best_options = dict(
+                best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
+            )
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(

@@ -1,5 +1,5 @@
-"""RunConfig and CheckpointPolicy: where a run writes, how big its batches
-are, how it loops and when it saves.
+"""RunConfig, CheckpointPolicy and Best: where a run writes, how big its
+batches are, how it loops, when it saves, and which evaluation is the best.
 
 Validated, immutable dataclasses. They own settings only; nothing here
 touches devices or files.
@@ -17,7 +17,11 @@ from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
 from estimax.trackers import resolve as resolve_trackers
 
-LOOP_MODES = ("auto", "scan", "step")
+LOOP_KINDS = ("auto", "scan", "step")
+DIRECTIONS = ("max", "min")
+# Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
+_LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
+_HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
 _UNSET = object()
 
 
@@ -60,6 +64,53 @@ class CheckpointPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
+class Best:
+    """Which evaluation of ``train_and_evaluate`` is the best, whether its checkpoint is
+    kept, and when training gives up on improving.
+
+    Attributes:
+      metric: the evaluation metric that decides: ``"loss"`` or a name of
+        ``Spec(metrics=...)``.
+      direction: ``"max"`` or ``"min"``: whether a higher or a lower value is
+        better. ``None``: ``"min"`` for names with loss, error, mse, mae or
+        perplexity in them, ``"max"`` for acc(uracy), auc, precision, recall, f1
+        or r2; any other name must say.
+      keep_checkpoint: keep the best state in ``<model_dir>/best`` (one checkpoint).
+      patience: stop training when the metric has not improved for this many
+        evaluations; ``None``: never stop early.
+      min_delta: a change smaller than this is not an improvement (for ``patience``).
+    """
+
+    metric: str = "loss"
+    direction: str | None = None
+    keep_checkpoint: bool = True
+    patience: int | None = None
+    min_delta: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ConfigError(f"Best(metric={self.metric!r}); expected the name of an evaluation metric.")
+        if self.direction is None:
+            object.__setattr__(self, "direction", _direction_of(self.metric))
+        if self.direction not in DIRECTIONS:
+            raise ConfigError(f"Best(direction={self.direction!r}); expected 'max' or 'min'.")
+        if self.patience is not None:
+            _check_positive("Best", "patience", self.patience)
+
+
+def _direction_of(metric: str) -> str:
+    name = metric.lower()
+    if any(word in name for word in _LOWER_IS_BETTER):
+        return "min"
+    if any(word in name for word in _HIGHER_IS_BETTER):
+        return "max"
+    raise ConfigError(
+        f"Best(metric={metric!r}) does not say whether higher or lower is better; expected "
+        f"direction='max' or 'min'. Fix: Best({metric!r}, direction='max') (or 'min')."
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Settings of a run.
 
@@ -74,7 +125,7 @@ class RunConfig:
         compiled ``lax.scan`` of ``steps_per_loop`` steps), ``"step"`` (one
         compiled call per step, dispatched without waiting) or ``"auto"``
         (``scan``, except ``step`` for models with convolutions on CPU, decided
-        from the traced step without running it; a resumed run keeps the mode
+        from the traced step without running it; a resumed run keeps the loop
         its checkpoint was trained with).
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
@@ -191,8 +242,8 @@ class RunConfig:
                     f"RunConfig(profile_steps={self.profile_steps!r}); expected (A, B) with 0 <= A < B, "
                     "e.g. (100, 110)."
                 )
-        if self.loop not in LOOP_MODES:
-            raise ValueError(f"RunConfig(loop={self.loop!r}) is not a loop mode; expected one of {LOOP_MODES}.")
+        if self.loop not in LOOP_KINDS:
+            raise ValueError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
         check_compute_dtype(self.compute_dtype)
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))

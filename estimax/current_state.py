@@ -40,7 +40,7 @@ class CurrentState:
         self.step: int = 0
         self.input_state = None  # the input position a restored checkpoint or the last loop left
         self.origin: str | None = None  # "initial", "warm_start", "restored" or "trained"
-        self.loop_mode: str | None = None  # the device-loop mode of the restored checkpoint
+        self.loop: str | None = None  # the device loop ("scan" or "step") the restored checkpoint was trained with
         self._seen_latest: int | None = None
         self._warned = False
 
@@ -53,7 +53,7 @@ class CurrentState:
             self._seen_latest = latest
             self.state, meta = checkpoints.restore(self.shapes())
             self.step, self.input_state, self.origin = meta["step"], meta.get("input_state"), "restored"
-            self.loop_mode = meta.get("loop")
+            self.loop = meta.get("loop")
             run_record.warn_on_resume(meta.get("run"), self.run_meta, self.step, checkpoints.directory)
         elif self.state is None:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"

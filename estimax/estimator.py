@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -22,10 +23,11 @@ from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import training as training_lib
-from estimax.config import RunConfig
+from estimax.config import Best, RunConfig
 from estimax.current_state import CurrentState, UntrainedWarning  # noqa: F401 (UntrainedWarning: public here)
 from estimax.data import feed
 from estimax.distributed import Sync
+from estimax.errors import ConfigError
 from estimax.evaluator import Evaluator
 from estimax.hooks import EarlyStopping, Hook, RunInfo, may_stop
 from estimax.loop import TrainRunner
@@ -181,45 +183,46 @@ class Estimator:
         epochs: int | None = None,
         eval_every_steps: int | None = None,
         eval_every_epochs: int | None = None,
-        best_metric: str | None = None,
-        mode: str = "max",
-        patience: int | None = None,
+        best: Best | None = None,
         hooks: Sequence[Hook] = (),
+        **deprecated,
     ) -> dict[str, float]:
         """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation.
 
         Evaluates when a multiple of ``eval_every_steps`` (or of
         ``eval_every_epochs`` epochs) is crossed and at the end, without
-        rebuilding or recompiling anything. ``best_metric`` keeps the best
-        checkpoint by that metric (``mode`` "max" or "min") in
-        ``<model_dir>/best``; ``patience`` stops when it has not improved for
-        that many evaluations (``best_metric``, or the loss, with ``mode``).
+        rebuilding or recompiling anything. ``best`` (``estimax.Best``) names
+        the metric that decides which evaluation is the best: its checkpoint
+        is kept in ``<model_dir>/best``, and with ``patience`` training stops
+        when it has not improved for that many evaluations.
+
+        ``best_metric=``, ``mode=`` and ``patience=`` still work for one release
+        (a ``DeprecationWarning``): they become ``best=Best(...)``.
         """
         if (eval_every_steps is None) == (eval_every_epochs is None):
             raise ValueError(
                 "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
                 f"received {eval_every_steps=}, {eval_every_epochs=}."
             )
-        if mode not in ("max", "min"):
-            raise ValueError(f"train_and_evaluate(mode={mode!r}); expected 'max' or 'min'.")
+        best = _best_of(best, deprecated)
         every = eval_every_steps
         if eval_every_epochs is not None:
             every = eval_every_epochs * training_lib.steps_per_epoch(
                 train_input, self.config.train_batch_size // jax.process_count()
             )
         hooks = validation.check_hooks(hooks)
-        if patience is not None:
-            hooks.append(EarlyStopping(best_metric or "loss", mode if best_metric else "min", patience))
+        if best is not None and best.patience is not None:
+            hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
         validation.check_eval_metrics_exist(
             self._core, self._abstract_state, self.mesh, self.config.global_eval_batch_size, (eval_input, train_input),
-            validation.metrics_used(hooks, best_metric),
+            validation.metrics_used(hooks, best),
         )  # fmt: skip
-        best = None if best_metric is None else self.run_dir.best(best_metric, mode)
+        keep = best is not None and best.keep_checkpoint
         evaluation = Evaluation(
             run=lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop),
             every_steps=every,
-            best=best,
-            best_metric=best_metric,
+            best=self.run_dir.best(best.metric, best.direction) if keep else None,
+            best_metric=best.metric if keep else None,
         )
         loop = self._train(train_input, (max_steps, None, epochs), hooks, evaluation)
         if loop is None:  # nothing left to train: the current state's evaluation
@@ -256,8 +259,8 @@ class Estimator:
         )
         if self._train_runner is None:
             self._train_runner = TrainRunner(self._core, self.layout, cfg.loop, cfg.steps_per_loop)
-        if self._current.loop_mode is not None:
-            self._train_runner.resume(self._current.loop_mode, start)
+        if self._current.loop is not None:
+            self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
         hooks = recording.builtin_hooks(self.config, self._writers(), self.mesh.size) + list(hooks)
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
@@ -379,3 +382,30 @@ class Estimator:
 @functools.partial(jax.jit, static_argnums=2)
 def _gathered_copy(params, model_state, replicated):
     return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
+
+
+def _best_of(best: Best | None, deprecated: dict) -> Best | None:
+    """``best``, or the ``Best`` that the old ``best_metric``/``mode``/``patience`` arguments meant."""
+    unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
+    if unknown:
+        raise TypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
+    if not deprecated:
+        return best
+    if best is not None:
+        raise ConfigError(
+            f"train_and_evaluate() received best= and {sorted(deprecated)}; expected one of them. "
+            "Fix: put everything in best=ex.Best(...)."
+        )
+    metric, mode, patience = deprecated.get("best_metric"), deprecated.get("mode", "max"), deprecated.get("patience")
+    replacement = (
+        Best(metric, mode, patience=patience)
+        if metric is not None
+        else Best("loss", "min", keep_checkpoint=False, patience=patience)
+    )
+    warnings.warn(
+        f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
+        f"pass best={replacement!r}.",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    return replacement if (metric is not None or patience is not None) else None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -119,15 +120,36 @@ def may_stop(hook: Hook) -> bool:
 
 
 class EarlyStopping(Hook):
-    """Stops training when ``metric`` of split ``split`` has not improved for ``patience`` evaluations."""
+    """Stops training when ``metric`` of split ``split`` has not improved for ``patience`` evaluations.
 
-    def __init__(self, metric: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0, split: str = "eval"):
-        if mode not in ("min", "max"):
-            raise ValueError(f"EarlyStopping(mode={mode!r}); expected 'min' or 'max'.")
-        if patience < 1:
-            raise ValueError(f"EarlyStopping(patience={patience}) must be at least 1.")
-        self.metric, self.mode, self.patience, self.min_delta, self.split = metric, mode, patience, min_delta, split
-        self.best = math.inf if mode == "min" else -math.inf
+    ``direction``: ``"min"`` (lower is better) or ``"max"``. ``mode=`` is its old
+    name, kept for one release (a ``DeprecationWarning``).
+    """
+
+    def __init__(
+        self,
+        metric: str,
+        direction: str = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        split: str = "eval",
+        *,
+        mode: str | None = None,
+    ):
+        if mode is not None:
+            warnings.warn(
+                f"EarlyStopping(mode={mode!r}) is deprecated; pass direction={mode!r}.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            direction = mode
+        if direction not in ("min", "max"):
+            raise ConfigError(f"EarlyStopping(direction={direction!r}); expected 'min' or 'max'.")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ConfigError(f"EarlyStopping(patience={patience!r}) must be an integer of at least 1.")
+        self.metric, self.direction, self.patience, self.min_delta = metric, direction, patience, min_delta
+        self.split = split
+        self.best = math.inf if direction == "min" else -math.inf
         self.bad_evaluations = 0
 
     def after_eval(self, evaluation: EvalRecord) -> bool:
@@ -139,7 +161,10 @@ class EarlyStopping(Hook):
                 f"{sorted(evaluation.metrics)}; expected one of them. Fix: pass one of those names."
             )
         value = evaluation.metrics[self.metric]
-        improved = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        if self.direction == "min":
+            improved = value < self.best - self.min_delta
+        else:
+            improved = value > self.best + self.min_delta
         if improved:
             self.best, self.bad_evaluations = value, 0
             return False

@@ -1,4 +1,4 @@
-"""How compiled work is dispatched: the device loop and its modes.
+"""How compiled work is dispatched: the device loop and its kinds.
 
 Owns the jitted train/eval/predict functions with their shardings and
 donation, the two ways of running ``steps_per_loop`` training steps (one
@@ -33,7 +33,8 @@ class TrainRunner:
     """Runs chunks of training steps on the mesh, as a scan or step by step.
 
     ``run`` only dispatches: it returns the new state and the per-step
-    outputs as device arrays, without waiting for them. ``mode`` is ``"auto"``
+    outputs as device arrays, without waiting for them, and the seconds its
+    calls spent compiling (tracing included). ``loop`` is ``"auto"``
     until the first ``run`` (or ``resume``) settles it on ``"scan"`` or ``"step"``.
     """
 
@@ -52,62 +53,61 @@ class TrainRunner:
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
         self._steps_per_loop = steps_per_loop
         self._micro_batches = core.grad_accum_steps
-        self.mode = loop
-        self.compile_seconds = 0.0  # time spent in calls that compiled (tracing included)
+        self.loop = loop
         self.flops_per_step: float | None = None  # the compiler's count, once the first chunk is seen
         self._counted = False
 
-    def _timed(self, compiled, *args):
-        """``compiled(*args)``, adding the call's time to ``compile_seconds`` when it compiled.
+    @staticmethod
+    def _timed(compiled, *args):
+        """``(compiled(*args), seconds)``: the call's time when it compiled, else 0.
 
         Only the call that compiles is counted: a first loop run step by step also
         waits for its earlier steps to bound the queue, which is not compilation.
         """
         size, start = compiled._cache_size(), time.perf_counter()
         result = compiled(*args)
-        if compiled._cache_size() != size:
-            self.compile_seconds += time.perf_counter() - start
-        return result
+        return result, (time.perf_counter() - start if compiled._cache_size() != size else 0.0)
 
-    def resume(self, mode: str, step: int) -> None:
-        """Under ``auto``, keeps the mode a checkpoint was trained with (exact resume), without choosing."""
-        if self.mode == "auto" and mode in ("scan", "step"):
-            self.mode = mode
-            logger.info("loop=auto: using %s, the mode the checkpoint of step %d was trained with", mode, step)
+    def resume(self, loop: str, step: int) -> None:
+        """Under ``auto``, keeps the loop a checkpoint was trained with (exact resume), without choosing."""
+        if self.loop == "auto" and loop in ("scan", "step"):
+            self.loop = loop
+            logger.info("loop=auto: using %s, the loop the checkpoint of step %d was trained with", loop, step)
 
     def run(self, state, chunk: DeviceChunk):
+        """``(state, outputs, seconds spent compiling)`` of one chunk's steps, dispatched (not waited for)."""
         if not self._counted:  # lowered once more (not compiled): one estimate per run
             self._counted = True
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk.stack)
             self.flops_per_step = flops.step_flops(self.step, state, batch, micro_batches=self._micro_batches)
-        if self.mode == "auto":
-            self.mode, reason = self._choose(state, chunk)
-            logger.info("loop=auto: using %s: %s", self.mode, reason)
-        if self.mode == "scan":  # a shorter final stack compiles once more
-            state, outputs = self._timed(self.scan, state, chunk.stack)
-            return state, [outputs]
+        if self.loop == "auto":
+            self.loop, reason = self._choose(state, chunk)
+            logger.info("loop=auto: using %s: %s", self.loop, reason)
+        if self.loop == "scan":  # a shorter final stack compiles once more
+            (state, outputs), compiling = self._timed(self.scan, state, chunk.stack)
+            return state, [outputs], compiling
         return self._steps(state, chunk.stack, range(chunk.num_steps))
 
     def _steps(self, state, stack, indices):
-        outputs = []
+        outputs, compiling = [], 0.0
         for i in indices:
             batch = self._batch_at(stack, self._indices[i])
             if self.step._cache_size():  # compiled once: every batch has the same shapes
                 state, out = self.step(state, batch)
             else:
-                state, out = self._timed(self.step, state, batch)
+                (state, out), compiling = self._timed(self.step, state, batch)
             outputs.append(out)
             if len(outputs) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(outputs[-MAX_STEPS_IN_FLIGHT - 1])  # host sync: bound the queue
-        return state, outputs
+        return state, outputs, compiling
 
     def _choose(self, state, chunk: DeviceChunk) -> tuple[str, str]:
-        """``(mode, reason)`` from the traced train step, without compiling or running a candidate.
+        """``(loop, reason)`` from the traced train step, without compiling or running a candidate.
 
         A rolled loop costs accelerators nothing, and saves the host one call per
         step; XLA:CPU runs convolutions inside a loop body up to 10x slower than
         as separate calls (jax issue 12868), so a step with convolutions on CPU
-        runs step by step. The trace is the one the step mode compiles from.
+        runs step by step. The trace is the one the step loop compiles from.
         """
         backend = jax.default_backend()
         if backend != "cpu":

@@ -48,17 +48,44 @@ class Evaluation:
     best_metric: str | None = None
 
 
+@dataclasses.dataclass
 class _Loop:
-    """A dispatched loop whose outputs are read later (once)."""
+    """A dispatched loop whose outputs (device arrays) are read later, once."""
 
-    def __init__(self, step_before: int, step_after: int, outputs, input_state):
-        self.step_before, self.step_after, self.input_state = step_before, step_after, input_state
-        self._outputs, self._host = outputs, None
+    step_before: int
+    step_after: int
+    outputs: list
+    input_state: object
+    _host: dict[str, np.ndarray] | None = None
 
     def host(self) -> dict[str, np.ndarray]:
         if self._host is None:
-            self._host = read_outputs(self._outputs)  # host sync: waits for this loop
+            self._host = read_outputs(self.outputs)  # host sync: waits for this loop
         return self._host
+
+
+class Laps:
+    """Seconds between the reads of consecutive loops, less the host's pauses in between
+    (checkpoints, evaluations): a loop's time once the device is the bottleneck."""
+
+    def __init__(self):
+        self.last_read: float | None = None
+        self.paused = 0.0
+
+    def lap(self, untimed: bool = False, final: bool = False) -> float | None:
+        """The seconds since the last timed read; ``None`` where not comparable.
+
+        The first read (compilation), the final one (nothing dispatched after it) and
+        one read early for an evaluation are not timed; the read after an untimed one
+        starts a new interval.
+        """
+        now = time.perf_counter()
+        seconds = None if (self.last_read is None or final or untimed) else now - self.last_read - self.paused
+        self.last_read, self.paused = (None if untimed else now), 0.0
+        return seconds
+
+    def pause(self, seconds: float) -> None:
+        self.paused += seconds
 
 
 class TrainingLoop:
@@ -82,6 +109,7 @@ class TrainingLoop:
         # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
         self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
+        self.laps = Laps()
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
@@ -89,67 +117,21 @@ class TrainingLoop:
         self._saved_step: int | None = None
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
-        """Trains from ``info.start_step`` over ``chunks``; returns ``(state, step)``.
+        """Trains from ``info.start_step`` over ``chunks`` (a ``feed.Prefetch``); returns ``(state, step)``.
 
         ``publish(state, step, input_state)`` is called after every dispatch, so that the
         caller always holds the newest state (also when an error stops training).
         """
-        began, step, previous, last, stop = time.perf_counter(), info.start_step, None, None, False
-        self._last_read, self._paused, self._wait_mark = None, 0.0, 0.0
+        began = time.perf_counter()
         for hook in self.hooks:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
-        self.sync.barrier(f"the first loop (training from step {step})")
+        self.sync.barrier(f"the first loop (training from step {info.start_step})")
         try:
             with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
-                for chunk in chunks:
-                    self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
-                    self.profiler.before_loop(step, step + chunk.num_steps, state)
-                    compiled = self.runner.compile_seconds
-                    with self.profiler.annotate(step):
-                        state, outputs = self.runner.run(state, chunk)
-                    self.seconds["compile"] += self.runner.compile_seconds - compiled
-                    chunks.busy = outputs  # input_wait counts the device's idle time only
-                    current = _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
-                    step = current.step_after
-                    publish(state, step, current.input_state)
-                    due = self.checkpointer.due(current.step_before, step)
-                    with self._saving_on_error(state, current, due):
-                        if previous is not None:
-                            stop |= self._after_loop(previous, chunks)
-                        previous = last = current
-                        if self.exact_stops:  # a hook may stop here: it reads this loop before the next is dispatched
-                            stop |= self._after_loop(current, chunks)
-                            previous = None
-                        self.profiler.after_loop(step, state)
-                        if preemption.requested(step, since=current.step_before):
-                            break
-                    if evaluation is not None and counting.crossed(evaluation.every_steps, current.step_before, step):
-                        # A failed evaluation ends training: the state it evaluated is saved first.
-                        with self._saving_on_error(state, current, due or self.checkpointer.saves):
-                            if previous is not None:  # the evaluation waits for this loop anyway: report it, untimed
-                                stop |= self._after_loop(current, chunks, untimed=True)
-                                previous = None
-                            stop |= self._evaluate(evaluation, state, current, preemption)
-                    if due:
-                        self._save(state, current)
-                    if stop:
-                        self.stopped = True
-                        logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
-                        break
-                # Still watching: a signal during the final save is one line, and the save completes.
-                with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
-                    if previous is not None:
-                        self._after_loop(previous, chunks, final=True)
-                    if preemption.signal_name is None and evaluation is not None and not stop:
-                        self._evaluate(evaluation, state, previous, preemption, final=True)
-                if self.checkpointer.saves and last is not None:
-                    self._save(state, last)
-                self.profiler.stop(state)
-                timer = time.perf_counter()
-                self.checkpointer.wait()
-                self.seconds["checkpoint"] += time.perf_counter() - timer
-            self.seconds["input_wait"] = chunks.wait_seconds
+                state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
+                self._finish(state, last, unread, evaluation, preemption)
+            step = info.start_step if last is None else last.step_after
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:
                 saved = self.checkpointer.latest_step() == step
@@ -162,6 +144,77 @@ class TrainingLoop:
         except BaseException:
             self.checkpointer.wait()  # saves in flight complete: checkpoints already written stay valid
             raise
+
+    def _loops(self, state, step: int, chunks, publish: Callable, evaluation, preemption):
+        """Dispatches a loop per chunk, then handles its boundary, until the input ends or
+        training stops; returns ``(state, the last loop dispatched, the loop not yet read)``."""
+        last = unread = None
+        while (fetched := chunks.get(after=last and last.outputs)) is not None:
+            chunk, waited = fetched
+            self.seconds["input_wait"] += waited
+            state, last = self._dispatch(state, step, chunk)
+            step = last.step_after
+            publish(state, step, last.input_state)
+            unread, ends = self._boundary(state, last, unread, waited, evaluation, preemption)
+            if ends:
+                break
+        return state, last, unread
+
+    def _dispatch(self, state, step: int, chunk) -> tuple[object, _Loop]:
+        self.sync.status(f"training: dispatching the loop of steps {step + 1}-{step + chunk.num_steps}")
+        self.profiler.before_loop(step, step + chunk.num_steps, state)
+        with self.profiler.annotate(step):
+            state, outputs, compiling = self.runner.run(state, chunk)
+        self.seconds["compile"] += compiling
+        return state, _Loop(step, step + chunk.num_steps, outputs, chunk.input_state)
+
+    def _boundary(self, state, current: _Loop, unread, waited: float, evaluation, preemption):
+        """After ``current`` is dispatched: reads the loop before it, evaluates and saves when due.
+
+        Returns ``(the loop left unread, whether training ends here)``. ``waited`` (the
+        device's idle seconds before this dispatch) is reported with the next loop read.
+        """
+        before, step = current.step_before, current.step_after
+        due, stop = self.checkpointer.due(before, step), False
+        with self._saving_on_error(state, current, due):
+            if unread is not None:
+                stop |= self._after_loop(unread, waited)
+                waited = 0.0
+            unread = current
+            if self.exact_stops:  # a hook may stop here: it reads this loop before the next is dispatched
+                stop |= self._after_loop(current, waited)
+                unread = None
+            self.profiler.after_loop(step, state)
+            if preemption.requested(step, since=before):
+                return unread, True
+        if evaluation is not None and counting.crossed(evaluation.every_steps, before, step):
+            # A failed evaluation ends training: the state it evaluated is saved first.
+            with self._saving_on_error(state, current, due or self.checkpointer.saves):
+                if unread is not None:  # the evaluation waits for this loop anyway: report it, untimed
+                    stop |= self._after_loop(current, 0.0, untimed=True)
+                    unread = None
+                stop |= self._evaluate(evaluation, state, current, preemption)
+        if due:
+            self._save(state, current)
+        if stop:
+            self.stopped = True
+            logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
+        return unread, stop
+
+    def _finish(self, state, last: _Loop | None, unread: _Loop | None, evaluation, preemption) -> None:
+        """The last read, the final evaluation and save; waits for the saves in flight."""
+        # Still watching: a signal during the final save is one line, and the save completes.
+        with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
+            if unread is not None:
+                self._after_loop(unread, 0.0, final=True)
+            if preemption.signal_name is None and evaluation is not None and not self.stopped:
+                self._evaluate(evaluation, state, last, preemption, final=True)
+        if self.checkpointer.saves and last is not None:
+            self._save(state, last)
+        self.profiler.stop(state)
+        timer = time.perf_counter()
+        self.checkpointer.wait()
+        self.seconds["checkpoint"] += time.perf_counter() - timer
 
     # -- at a loop boundary ----------------------------------------------------
     @contextlib.contextmanager
@@ -177,24 +230,19 @@ class TrainingLoop:
                 self._save(state, loop)
             raise
 
-    def _after_loop(self, loop: _Loop, chunks, final: bool = False, untimed: bool = False) -> bool:
+    def _after_loop(self, loop: _Loop, waited: float, final: bool = False, untimed: bool = False) -> bool:
+        """Hands ``loop``'s record to the hooks; whether one asked to stop."""
         outputs = self._checked(loop)
-        now = time.perf_counter()
-        # Reads come once the next loop is dispatched; the first (compilation), the final
-        # one (nothing dispatched after it) and one read early for an evaluation are not
-        # comparable, so not timed; the read after an untimed one starts a new interval.
-        seconds = None if (self._last_read is None or final or untimed) else now - self._last_read - self._paused
-        wait, self._wait_mark = chunks.wait_seconds - self._wait_mark, chunks.wait_seconds
+        seconds = self.laps.lap(untimed=untimed, final=final)
         record = LoopRecord(
             loop.step_before,
             loop.step_after,
             outputs,
             seconds,
-            wait if seconds else 0.0,
+            waited if seconds else 0.0,
             final,
             self.runner.flops_per_step,
         )
-        self._last_read, self._paused = (None if untimed else now), 0.0
         stopping = [hook for hook in self.hooks if hook.after_loop(record)]  # every hook sees every loop
         return self._asked_to_stop(stopping, "after_loop", loop.step_after)
 
@@ -237,10 +285,10 @@ class TrainingLoop:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
-        self.checkpointer.save(loop.step_after, state, loop.input_state, loop=self.runner.mode)
+        self.checkpointer.save(loop.step_after, state, loop.input_state, loop=self.runner.loop)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
-        self._paused += elapsed
+        self.laps.pause(elapsed)
         self._saved_step = loop.step_after
 
     def _evaluate(
@@ -253,7 +301,7 @@ class TrainingLoop:
         metrics = evaluation.run(state, lambda: preemption.signal_name is not None)
         elapsed = time.perf_counter() - timer
         self.seconds["evaluation"] += elapsed
-        self._paused += elapsed
+        self.laps.pause(elapsed)
         if metrics is None:  # interrupted by a signal: the loop saves and exits
             return True
         self.last_metrics, self.last_eval_step = metrics, loop.step_after
@@ -263,7 +311,7 @@ class TrainingLoop:
         if evaluation.best is not None:
             if evaluation.best_metric not in metrics:
                 raise ConfigError(
-                    f"best_metric={evaluation.best_metric!r} is not among the evaluation's metrics "
+                    f"Best(metric={evaluation.best_metric!r}) is not among the evaluation's metrics "
                     f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
                 )
             evaluation.best.save(loop.step_after, state, loop.input_state, metrics=metrics)

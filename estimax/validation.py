@@ -2,7 +2,7 @@
 
 Owns the up-front checks of a ``train``/``train_and_evaluate`` call that do
 not need a compiled step: hooks that are not ``Hook``s, and the metric names
-that ``best_metric`` and early stopping refer to, derived from the abstract
+that ``Best`` and early stopping refer to, derived from the abstract
 evaluation outputs (``jax.eval_shape`` of the model_fn in EVAL mode on the
 shapes of the first evaluation batch: nothing is evaluated). Batch sizes are
 checked by ``mesh.check_batch_size``, writability by ``lock.py``.
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from estimax.config import Best
 from estimax.data.source import Source
 from estimax.hooks import EarlyStopping, Hook
 
@@ -42,9 +43,9 @@ def metric_names(names) -> list[str]:
     return sorted({*names, "num_examples"})
 
 
-def metrics_used(hooks: Sequence[Hook], best_metric: str | None) -> dict[str, str]:
-    """``{metric: who uses it}`` of the eval metrics that ``best_metric`` and early stopping read."""
-    used = {best_metric: f"best_metric={best_metric!r}"} if best_metric is not None else {}
+def metrics_used(hooks: Sequence[Hook], best: Best | None) -> dict[str, str]:
+    """``{metric: who uses it}`` of the eval metrics that ``best`` and early stopping read."""
+    used = {best.metric: f"Best(metric={best.metric!r})"} if best is not None else {}
     for hook in hooks:
         if isinstance(hook, EarlyStopping) and hook.split == "eval":
             used.setdefault(hook.metric, f"EarlyStopping(metric={hook.metric!r})")

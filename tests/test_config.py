@@ -39,3 +39,19 @@ def test_train_needs_exactly_one_length():
         est.train(data, max_steps=3, epochs=1)
     with pytest.raises(TypeError, match=r"Counting in epochs needs an input of known size"):
         est.train([({"x": data.features["x"][:32]}, data.labels[:32])], epochs=1)
+
+
+def test_best_says_which_direction_is_better():
+    assert [ex.Best(name).direction for name in ("loss", "val_mse", "error_rate")] == ["min"] * 3
+    assert [ex.Best(name).direction for name in ("accuracy", "top5_acc", "auc", "macro_f1")] == ["max"] * 4
+    assert ex.Best("score", "min").direction == "min"
+    with pytest.raises(
+        ex.errors.ConfigError,
+        match=r"Best\(metric='score'\) does not say whether higher or lower is better; expected direction='max' "
+        r"or 'min'\. Fix: Best\('score', direction='max'\)",
+    ):
+        ex.Best("score")
+    with pytest.raises(ex.errors.ConfigError, match=r"Best\(direction='up'\); expected 'max' or 'min'"):
+        ex.Best("loss", "up")
+    with pytest.raises(ValueError, match=r"Best\(patience=0\) must be a positive integer"):
+        ex.Best(patience=0)

@@ -266,9 +266,9 @@ def test_mistakes_are_found_before_the_first_step(model_dir):
         estimator(model_dir, predict_batch_size=4).train(DATA, max_steps=4)
     with pytest.raises(
         ValueError,
-        match=r"best_metric='acc': not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]",
+        match=r"Best\(metric='acc'\): not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]",
     ):
-        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, best_metric="acc")
+        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
     stopping = ex.EarlyStopping("val_loss")
     with pytest.raises(ValueError, match=r"EarlyStopping\(metric='val_loss'\): not among the evaluation's metrics"):
         estimator(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, hooks=[stopping])
@@ -281,8 +281,8 @@ def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
     features, labels = blobs(64)
     plain = [({"x": features["x"][i : i + 32]}, labels[i : i + 32]) for i in (0, 32)]  # cannot be read ahead
     est = estimator(model_dir, save_every_steps=4)
-    with pytest.raises(ValueError, match=r"best_metric='acc' is not among the evaluation's metrics"):
-        est.train_and_evaluate(iter(plain * 8), plain, max_steps=8, eval_every_steps=4, best_metric="acc")
+    with pytest.raises(ValueError, match=r"Best\(metric='acc'\) is not among the evaluation's metrics"):
+        est.train_and_evaluate(iter(plain * 8), plain, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
     assert _steps(model_dir) == [4] and estimator(model_dir).step == 4
     # The end of training is saved also when its last loop was evaluated at the boundary.
     estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=8)

@@ -95,9 +95,17 @@ def test_train_and_evaluate_alternates_without_recompiling(model_dir):
     assert summary["evaluation_seconds"] > 0 and summary["total_seconds"] >= summary["device_seconds"]
 
 
+def test_a_hook_that_may_stop_still_gets_the_final_evaluation():
+    recorder = Recorder()  # overrides after_loop: each loop is read before the next is dispatched
+    estimator(steps_per_loop=4, eval_batch_size=64).train_and_evaluate(
+        DATA, DATA, max_steps=22, eval_every_steps=8, hooks=[recorder]
+    )
+    assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16, 22]
+
+
 def test_the_best_checkpoint_is_the_best(model_dir):
     est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.5)
-    est.train_and_evaluate(DATA, DATA, max_steps=20, eval_every_steps=2, best_metric="loss", mode="min")
+    est.train_and_evaluate(DATA, DATA, max_steps=20, eval_every_steps=2, best=ex.Best("loss"))
     evaluations = {r["step"]: r["loss"] for r in _records(model_dir, "eval")}
     (best_step,) = [int(d) for d in os.listdir(os.path.join(model_dir, "best")) if d.isdigit()]
     assert evaluations[best_step] == min(evaluations.values())
@@ -107,7 +115,7 @@ def test_the_best_checkpoint_is_the_best(model_dir):
 
 def test_early_stopping_stops_when_the_metric_stalls():
     est = estimator(steps_per_loop=2, eval_batch_size=64, lr=0.0)  # nothing is learned: the loss stalls
-    est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, patience=2)
+    est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, best=ex.Best(patience=2))
     assert est.step == 12  # evaluations at 4 (best), 8 and 12 (no improvement twice): stop
 
 
@@ -116,6 +124,19 @@ def _with_nan_at(step, rows=32):
     batches = [({"x": features["x"][i : i + rows].copy()}, labels[i : i + rows]) for i in range(0, 320, rows)]
     batches[step - 1][0]["x"][3, 0] = np.nan  # the batch of that step (steps count from 1)
     return batches
+
+
+def test_the_old_best_metric_mode_and_patience_arguments_still_work_with_a_warning(model_dir):
+    est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.0)
+    with pytest.warns(DeprecationWarning, match=r"pass best=Best\(metric='loss', direction='min'.*patience=2"):
+        est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, best_metric="loss", mode="min", patience=2)
+    assert est.step == 12 and os.listdir(os.path.join(model_dir, "best"))  # stopped early, the best kept
+    with pytest.warns(DeprecationWarning, match=r"EarlyStopping\(mode='max'\) is deprecated; pass direction='max'"):
+        assert ex.EarlyStopping("accuracy", mode="max").direction == "max"
+    with pytest.raises(ex.errors.ConfigError, match=r"received best= and \['patience'\]; expected one of them"):
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=4, best=ex.Best(), patience=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['best_metrics'\]"):
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=4, best_metrics="loss")
 
 
 def test_a_nan_stops_training_with_the_window_and_parameters(model_dir):

@@ -237,18 +237,13 @@ class Prefetch:
     """Runs an iterator on a background thread, ``depth`` items ahead of the consumer.
 
     The next stack is built and transferred while the device runs the current
-    loop. Errors raised by the producer are re-raised by ``next()``. Set
-    ``busy`` to the outputs of the work just dispatched: ``wait_seconds`` then
-    counts only the time the device is idle waiting for input.
+    loop. Errors raised by the producer are re-raised by ``next()``. ``get``
+    also says how long the device sat idle waiting for an item.
     """
 
     _DONE = object()
 
     def __init__(self, iterator: Iterator, depth: int = 2):
-        # Time the consumer spent blocked in next() while ``busy`` (the work it last
-        # dispatched, if it says so) was done: the time the device waited for input.
-        self.wait_seconds = 0.0
-        self.busy = None
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
@@ -281,24 +276,31 @@ class Prefetch:
     def __iter__(self):
         return self
 
-    def __next__(self):
+    def get(self, after=None) -> tuple | None:
+        """``(the next item, seconds waited for it)``, or ``None`` at the end.
+
+        ``after``: the outputs of the work just dispatched. When the next item is not
+        ready, they are waited for first: nothing can be dispatched before the input
+        arrives, so only the time the device then sits idle counts as waiting.
+        """
         if self._done:
-            raise StopIteration
-        if self.busy is not None and self._queue.empty():
-            # host sync: nothing can be dispatched before the input arrives, so let the
-            # device finish first; only the time it then stays idle counts as waiting.
-            jax.block_until_ready(self.busy)
-            self.busy = None
+            return None
+        if after is not None and self._queue.empty():
+            jax.block_until_ready(after)  # host sync: the device finishes before the wait is timed
         start = time.perf_counter()
         item = self._queue.get()
-        self.wait_seconds += time.perf_counter() - start
+        waited = time.perf_counter() - start
         if item is self._DONE or isinstance(item, BaseException):
             self._done = True
         if isinstance(item, BaseException):
             raise item
-        if item is self._DONE:
+        return None if item is self._DONE else (item, waited)
+
+    def __next__(self):
+        fetched = self.get()
+        if fetched is None:
             raise StopIteration
-        return item
+        return fetched[0]
 
     def close(self):
         self._stop.set()
