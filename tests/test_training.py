@@ -129,7 +129,9 @@ def _with_nan_at(step, rows=32):
 def test_the_old_best_metric_mode_and_patience_arguments_still_work_with_a_warning(model_dir):
     est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.0)
     with pytest.warns(DeprecationWarning, match=r"pass best=Best\(metric='loss', direction='min'.*patience=2"):
-        est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, best_metric="loss", mode="min", patience=2)
+        est.train_and_evaluate(
+            DATA, DATA, max_steps=100, eval_every_steps=4, best_metric="loss", mode="min", patience=2
+        )
     assert est.step == 12 and os.listdir(os.path.join(model_dir, "best"))  # stopped early, the best kept
     with pytest.warns(DeprecationWarning, match=r"EarlyStopping\(mode='max'\) is deprecated; pass direction='max'"):
         assert ex.EarlyStopping("accuracy", mode="max").direction == "max"
