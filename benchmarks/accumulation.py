@@ -64,9 +64,9 @@ def compiled_step(widths, batch_size: int, accum: int):
     batch = ({"x": x}, rng.integers(0, widths[-1], batch_size, np.int32))
     batch = jax.device_put(batch, split)
     step = jax.jit(
-        est._core.train_step, in_shardings=(replicated, split), out_shardings=(replicated, replicated), donate_argnums=0
+        est.core.train_step, in_shardings=(replicated, split), out_shardings=(replicated, replicated), donate_argnums=0
     )
-    state = est._ensure_state()
+    state = est.state()
     return state, step.lower(state, batch).compile(), batch
 
 

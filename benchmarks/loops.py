@@ -286,7 +286,7 @@ def benchmark(w: Workload, rounds: int, model_dirs: str) -> dict:
         "batch": w.batch,
         "steps_per_loop": w.k,
         **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
-        "estimax_mode": {input: est._train_runner.mode for input, (_, est) in estimators.items()},
+        "estimax_loop": {input: est.compiled().loop for input, (_, est) in estimators.items()},
         **{f"ratio_{input}": round(best[f"estimax_{input}"] / reference, 3) for input in estimators},
     }
 

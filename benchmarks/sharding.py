@@ -157,18 +157,22 @@ def main():
     times = {label: [] for label in estimators}
     for _ in range(args.rounds):
         for label, est in estimators.items():
-            jax.block_until_ready(est._ensure_state())
+            jax.block_until_ready(est.state())
             start = time.perf_counter()
             est.train(data, steps=args.steps)
-            jax.block_until_ready(est._ensure_state())
+            jax.block_until_ready(est.state())
             times[label].append(time.perf_counter() - start)
     rows = []
     for label, est in estimators.items():
-        state = est._ensure_state()
+        state = est.state()
         host = next(iter(feed.eval_batches(data, args.batch)))  # (features, labels) of one global batch
         sharding = est.layout.batch
         batch = jax.tree.map(lambda x, s=sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), host)
-        memory = est._train_runner.step.lower(est.state_shapes(), batch).compile().memory_analysis()
+        layout = est.layout  # the step as training compiles it: the state's and the batch's shardings
+        step = jax.jit(
+            est.core.train_step, in_shardings=(layout.state, layout.batch), out_shardings=(layout.state, None)
+        )
+        memory = step.lower(est.state_shapes(), batch).compile().memory_analysis()
         rows.append(
             {
                 "layout": label,

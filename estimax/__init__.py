@@ -19,7 +19,6 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax import metrics as metrics
     from estimax import models as models
     from estimax import serving as serving
-    from estimax import task as task
     from estimax import trackers as trackers
     from estimax.config import Best as Best
     from estimax.config import CheckpointPolicy as CheckpointPolicy
@@ -36,6 +35,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
+    from estimax.loop import Compiled as Compiled
     from estimax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from estimax.preemption import Interrupted as Interrupted
     from estimax.preemption import Preempted as Preempted
@@ -47,7 +47,8 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.state import TrainState as TrainState
     from estimax.warm_start import WarmStart as WarmStart
 
-_SUBMODULES = ("data", "distributed", "errors", "metrics", "models", "serving", "task", "trackers")
+_SUBMODULES = ("data", "distributed", "errors", "metrics", "models", "serving", "trackers")
+_MOVED = {"task": "estimax.cli.task"}  # old paths, kept for one release with a DeprecationWarning
 _NAMES = {
     "CheckpointError": "estimax.errors",
     "EstimaxError": "estimax.errors",
@@ -55,6 +56,7 @@ _NAMES = {
     "ModelDirNotWritableError": "estimax.errors",
     "Best": "estimax.config",
     "CheckpointPolicy": "estimax.config",
+    "Compiled": "estimax.loop",
     "RunConfig": "estimax.config",
     "Estimator": "estimax.estimator",
     "UntrainedWarning": "estimax.estimator",
@@ -82,6 +84,8 @@ __all__ = sorted([*_NAMES, *_SUBMODULES])
 def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"estimax.{name}")
+    if name in _MOVED:
+        return importlib.import_module(f"estimax.{name}")  # the alias module warns and hands over
     if name not in _NAMES:
         raise AttributeError(f"module 'estimax' has no attribute {name!r}")
     value = getattr(importlib.import_module(_NAMES[name]), name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 
 from estimax import counting
 from estimax.errors import ConfigError
@@ -261,3 +262,31 @@ class RunConfig:
     @property
     def global_predict_batch_size(self) -> int:
         return self.predict_batch_size or self.global_eval_batch_size
+
+
+def best_from(best: Best | None, deprecated: dict) -> Best | None:
+    """``best``, or the ``Best`` that ``train_and_evaluate``'s old ``best_metric``/``mode``/``patience``
+    arguments meant (deprecated: one release with a warning)."""
+    unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
+    if unknown:
+        raise TypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
+    if not deprecated:
+        return best
+    if best is not None:
+        raise ConfigError(
+            f"train_and_evaluate() received best= and {sorted(deprecated)}; expected one of them. "
+            "Fix: put everything in best=ex.Best(...)."
+        )
+    metric, mode, patience = deprecated.get("best_metric"), deprecated.get("mode", "max"), deprecated.get("patience")
+    replacement = (
+        Best(metric, mode, patience=patience)
+        if metric is not None
+        else Best("loss", "min", keep_checkpoint=False, patience=patience)
+    )
+    warnings.warn(
+        f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
+        f"pass best={replacement!r}.",
+        DeprecationWarning,
+        stacklevel=5,
+    )
+    return replacement if (metric is not None or patience is not None) else None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -17,7 +16,7 @@ import optax
 
 from estimax import accumulation, calls, compile_cache, recording, report, run_record, validation
 from estimax import checkpoint as checkpoint_lib
-from estimax import export as export_lib
+from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
@@ -27,13 +26,13 @@ from estimax.config import Best, RunConfig
 from estimax.current_state import CurrentState, UntrainedWarning  # noqa: F401 (UntrainedWarning: public here)
 from estimax.data import feed
 from estimax.distributed import Sync
-from estimax.errors import ConfigError
 from estimax.evaluator import Evaluator
 from estimax.hooks import EarlyStopping, Hook, RunInfo, may_stop
-from estimax.loop import TrainRunner
+from estimax.loop import Compiled, TrainRunner
 from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler
 from estimax.run_dir import open_run_dir
+from estimax.serving import export as export_lib
 from estimax.state import leaf_names
 from estimax.step import Core
 from estimax.training import Evaluation, TrainingLoop
@@ -136,6 +135,18 @@ class Estimator:
         with jax.set_mesh(self.mesh):  # each array is created in its shards: never whole on one device
             return jax.jit(self._core.init_state, out_shardings=self.layout.state)()
 
+    @property
+    def core(self) -> Core:
+        """The model's pure device functions (``estimax.step.Core``): ``train_step``,
+        ``train_loop``, ``eval_step`` and ``predict_step`` of ``(state, batch)``, to lower,
+        inspect or build a reference from."""
+        return self._core
+
+    def compiled(self) -> Compiled:
+        """What has been compiled so far: the device loop training runs, and how many programs
+        of each kind (``estimax.loop.Compiled``)."""
+        return Compiled.of(self.config.loop, self._train_runner, self._evaluator.runner)
+
     def sharding_plan(self) -> layout_lib.ShardingPlan:
         """Where every parameter lives: rows with ``path``, ``shape``, ``dtype``, ``spec``,
         ``bytes_per_device`` and the rule that placed it, and per-device totals (printable)."""
@@ -204,7 +215,7 @@ class Estimator:
                 "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
                 f"received {eval_every_steps=}, {eval_every_epochs=}."
             )
-        best = _best_of(best, deprecated)
+        best = config_lib.best_from(best, deprecated)
         every = eval_every_steps
         if eval_every_epochs is not None:
             every = eval_every_epochs * training_lib.steps_per_epoch(
@@ -373,7 +384,7 @@ class Estimator:
             )
         state = self._at(checkpoint, "export")
         if format == "tf_saved_model":
-            from estimax import export_tf
+            from estimax.serving import export_tf
 
             return export_tf.export(self._core, state, path, features)
         return export_lib.export(self._core, state, path, features)
@@ -382,30 +393,3 @@ class Estimator:
 @functools.partial(jax.jit, static_argnums=2)
 def _gathered_copy(params, model_state, replicated):
     return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)
-
-
-def _best_of(best: Best | None, deprecated: dict) -> Best | None:
-    """``best``, or the ``Best`` that the old ``best_metric``/``mode``/``patience`` arguments meant."""
-    unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
-    if unknown:
-        raise TypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
-    if not deprecated:
-        return best
-    if best is not None:
-        raise ConfigError(
-            f"train_and_evaluate() received best= and {sorted(deprecated)}; expected one of them. "
-            "Fix: put everything in best=ex.Best(...)."
-        )
-    metric, mode, patience = deprecated.get("best_metric"), deprecated.get("mode", "max"), deprecated.get("patience")
-    replacement = (
-        Best(metric, mode, patience=patience)
-        if metric is not None
-        else Best("loss", "min", keep_checkpoint=False, patience=patience)
-    )
-    warnings.warn(
-        f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
-        f"pass best={replacement!r}.",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    return replacement if (metric is not None or patience is not None) else None

@@ -9,6 +9,7 @@ compiled. Does not own input, checkpoints or reporting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -27,6 +28,39 @@ logger = logging.getLogger("estimax")
 MAX_STEPS_IN_FLIGHT = 8
 # The primitives that XLA:CPU runs much slower inside a loop body than as separate calls.
 SLOW_IN_CPU_LOOPS = ("conv_general_dilated",)
+# Evaluation batches merged on the device before the host folds them in (see EvalRunner).
+FOLD_EVERY = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What an Estimator has compiled so far (``Estimator.compiled()``).
+
+    Attributes:
+      loop: the device loop training runs, ``"scan"`` or ``"step"``; ``RunConfig.loop``
+        until the first training loop is dispatched.
+      train_scan, train_step, eval_step, predict_step: how many programs of each
+        kind were compiled (a shorter final loop or a new batch shape adds one).
+    """
+
+    loop: str
+    train_scan: int = 0
+    train_step: int = 0
+    eval_step: int = 0
+    predict_step: int = 0
+
+    @classmethod
+    def of(cls, loop: str, train: TrainRunner | None, evaluation: EvalRunner | None) -> Compiled:
+        counts = {}
+        if train is not None:
+            loop, counts["train_scan"], counts["train_step"] = train.loop, _count(train.scan), _count(train.step)
+        if evaluation is not None:
+            counts["eval_step"], counts["predict_step"] = _count(evaluation.step), _count(evaluation.predict)
+        return cls(loop, **counts)
+
+
+def _count(compiled) -> int:
+    return compiled._cache_size()  # jax's count of a jitted function's compiled versions (no public one)
 
 
 class TrainRunner:
@@ -64,9 +98,9 @@ class TrainRunner:
         Only the call that compiles is counted: a first loop run step by step also
         waits for its earlier steps to bound the queue, which is not compilation.
         """
-        size, start = compiled._cache_size(), time.perf_counter()
+        size, start = _count(compiled), time.perf_counter()
         result = compiled(*args)
-        return result, (time.perf_counter() - start if compiled._cache_size() != size else 0.0)
+        return result, (time.perf_counter() - start if _count(compiled) != size else 0.0)
 
     def resume(self, loop: str, step: int) -> None:
         """Under ``auto``, keeps the loop a checkpoint was trained with (exact resume), without choosing."""
@@ -92,7 +126,7 @@ class TrainRunner:
         outputs, compiling = [], 0.0
         for i in indices:
             batch = self._batch_at(stack, self._indices[i])
-            if self.step._cache_size():  # compiled once: every batch has the same shapes
+            if _count(self.step):  # compiled once: every batch has the same shapes
                 state, out = self.step(state, batch)
             else:
                 (state, out), compiling = self._timed(self.step, state, batch)
@@ -165,9 +199,9 @@ class EvalRunner:
     cannot overflow below a global eval batch of 2**31 / ``fold_every`` rows.
     """
 
-    def __init__(self, core, layout, fold_every: int = 256):
+    def __init__(self, core, layout, fold_every: int | None = None):
         rep, state, batch = layout.replicated, layout.state, layout.batch
-        self._core, self._replicated, self.fold_every = core, rep, fold_every
+        self._core, self._replicated, self.fold_every = core, rep, fold_every or FOLD_EVERY
         self._prepared: dict = {}  # per batch signature: see _prepare
         # States are small: not donated, so the bound below can wait on old ones.
         self.step = jax.jit(core.eval_step, in_shardings=(state, rep, batch, batch), out_shardings=(rep, batch))

@@ -72,7 +72,8 @@ class Core:
     def _key(self, state: TrainState) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
 
-    def _call(self, params, state: TrainState, batch: Batch, mode: Mode, batch_size: int):
+    def call(self, params, state: TrainState, batch: Batch, mode: Mode, batch_size: int):
+        """``(Spec, bound model)`` of the model_fn on ``batch`` with ``params`` and the per-step key of ``state``."""
         return self._apply(params, state.model_state, batch, mode, batch_size, self._key(state))
 
     def _apply(self, params, model_state, batch: Batch, mode: Mode, batch_size, key):
@@ -103,7 +104,7 @@ class Core:
         batch_size = _batch_size(batch)
 
         def loss_fn(params):
-            spec, module = self._call(params, state, batch, TRAIN, batch_size)
+            spec, module = self.call(params, state, batch, TRAIN, batch_size)
             # The carry of the device loop keeps its dtypes, whatever the compute dtype.
             return jnp.mean(spec.loss), (spec, precision.like(self.adapter.model_state(module), state.model_state))
 
@@ -156,7 +157,7 @@ class Core:
     def eval_values(self, state: TrainState, batch: Batch) -> tuple[dict, dict]:
         """The loss and metrics of one batch (per-example values, scalars or metric inputs) by
         name, and the per-example ``eval_outputs``."""
-        spec, _ = self._call(state.params, state, batch, EVAL, _batch_size(batch))
+        spec, _ = self.call(state.params, state, batch, EVAL, _batch_size(batch))
         values = {"loss": spec.loss} if spec.loss is not None else {}
         values.update(spec.metrics or {})
         return values, dict(spec.eval_outputs or {})

@@ -27,6 +27,7 @@ def slow_evaluation(batches=200):
     for i in range(batches):
         time.sleep(0.05)
         yield {"x": features["x"][32 * i : 32 * (i + 1)]}, labels[32 * i : 32 * (i + 1)]
+    print("evaluation input exhausted", flush=True)
 
 
 if __name__ == "__main__":

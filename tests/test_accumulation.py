@@ -86,7 +86,7 @@ def _train_step_before_accumulation(core, state, batch):
     batch_size = jax.tree.leaves(batch[0])[0].shape[0]
 
     def loss_fn(params):
-        spec, module = core._call(params, state, batch, ex.TRAIN, batch_size)
+        spec, module = core.call(params, state, batch, ex.TRAIN, batch_size)
         return jnp.mean(spec.loss), (spec, core.adapter.model_state(module))
 
     (loss, (spec, model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -105,7 +105,7 @@ def test_one_micro_batch_is_bit_identical_to_the_step_before_accumulation():
 
     replicated, stacked = NamedSharding(est.mesh, P()), NamedSharding(est.mesh, P(None, "data"))
     reference = jax.jit(
-        lambda s, stack: jax.lax.scan(lambda s, b: _train_step_before_accumulation(est._core, s, b), s, stack),
+        lambda s, stack: jax.lax.scan(lambda s, b: _train_step_before_accumulation(est.core, s, b), s, stack),
         in_shardings=(replicated, stacked),
         out_shardings=(replicated, replicated),
     )
@@ -136,7 +136,7 @@ def test_strided_micro_batches_gather_nothing():
     est.train(DATA, max_steps=1)
     features, labels = blobs(64)
     batch = jax.device_put(({"x": features["x"]}, labels), NamedSharding(est.mesh, P("data")))
-    hlo = est._train_runner.step.lower(est.state(), batch).compile().as_text()
+    hlo = jax.jit(est.core.train_step).lower(est.state(), batch).compile().as_text()
     assert "all-reduce" in hlo  # the gradient is reduced over the devices ...
     assert "all-gather" not in hlo and "all-to-all" not in hlo  # ... and no rows of the batch move
 
@@ -224,7 +224,7 @@ def test_a_batch_that_does_not_split_is_refused_before_compiling():
         r"batch shards; expected a multiple of 4 x 8 = 32\. Fix: use train_batch_size 64 or 96",
     ):
         est.train(DATA, max_steps=1)
-    assert est._train_runner is None  # nothing was compiled
+    assert est.compiled() == ex.Compiled("auto")  # nothing was compiled
 
 
 def test_optax_multisteps_still_trains_but_warns_that_steps_are_mini_steps():

@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from estimax import distributed, launch
+from estimax import distributed
+from estimax.cli import launch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

@@ -25,7 +25,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 API_MODULES = ("estimax", "estimax.data", "estimax.metrics", "estimax.models", "estimax.serving")
-API_MODULES += ("estimax.distributed", "estimax.trackers", "estimax.task", "estimax.errors")
+API_MODULES += ("estimax.distributed", "estimax.trackers", "estimax.cli.task", "estimax.errors")
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<code>.*?)^(?P=indent)```[ \t]*$", re.M | re.S)
 NO_RUN = re.compile(r"<!--\s*no-run:\s*(?P<reason>\S.*?)\s*-->\s*$")
 

@@ -74,21 +74,18 @@ def test_only_the_shorter_final_loop_compiles_again():
     data = ex.data.from_arrays(features, labels)
     est = estimator(loop="scan", steps_per_loop=4, eval_batch_size=64)
     est.train(data, max_steps=14)  # loops of 4, 4, 4, 2
-    runner = est._train_runner
-    assert runner.scan._cache_size() == 2
+    assert est.compiled().train_scan == 2
     est.train(data, steps=8)  # two more full loops
     est.evaluate(data)
     est.evaluate(data)
-    assert runner.scan._cache_size() == 2
-    assert est._evaluator.runner.step._cache_size() == 1
+    assert est.compiled() == ex.Compiled("scan", train_scan=2, eval_step=1)
     assert est.step == 22
 
 
 def test_step_mode_compiles_one_step():
     features, labels = blobs(256)
     est = estimator(loop="step", steps_per_loop=4).train(ex.data.from_arrays(features, labels), max_steps=14)
-    assert est._train_runner.step._cache_size() == 1
-    assert est._train_runner.scan._cache_size() == 0
+    assert est.compiled() == ex.Compiled("step", train_step=1)
 
 
 class _TinyCNN(nnx.Module):
@@ -116,8 +113,8 @@ def test_auto_chooses_from_the_traced_step_without_compiling_the_other_mode(esti
     est = estimator(loop="auto", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
     config = ex.RunConfig(train_batch_size=32, steps_per_loop=16)
     cnn = ex.Estimator(_TinyCNN, model_fn, optax.sgd(0.1), config=config).train(data, max_steps=40)
-    assert (est._train_runner.mode, est._train_runner.step._cache_size()) == ("scan", 0)
-    assert (cnn._train_runner.mode, cnn._train_runner.scan._cache_size()) == ("step", 0)
+    assert (est.compiled().loop, est.compiled().train_step) == ("scan", 0)
+    assert (cnn.compiled().loop, cnn.compiled().train_scan) == ("step", 0)
     assert "loop=auto: using scan: no convolution in the training step" in estimax_log.text
     assert "loop=auto: using step: the training step has 2 convolutions" in estimax_log.text  # forward, kernel gradient
     reference = estimator(loop="scan", steps_per_loop=16, dropout=0.0).train(data, max_steps=40)
@@ -130,8 +127,8 @@ def test_a_resumed_auto_run_keeps_the_mode_of_its_checkpoint(tmp_path, estimax_l
     estimator(model_dir, loop="step", steps_per_loop=4, save_every_steps=4).train(data, max_steps=8)
     estimax_log.clear()
     resumed = estimator(model_dir, loop="auto", steps_per_loop=4).train(data, max_steps=16)
-    assert (resumed._train_runner.mode, resumed._train_runner.scan._cache_size()) == ("step", 0)
-    assert "loop=auto: using step, the mode the checkpoint of step 8 was trained with" in estimax_log.text
+    assert (resumed.compiled().loop, resumed.compiled().train_scan) == ("step", 0)
+    assert "loop=auto: using step, the loop the checkpoint of step 8 was trained with" in estimax_log.text
     assert "no convolution" not in estimax_log.text  # not chosen again
 
 

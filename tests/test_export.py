@@ -24,8 +24,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
-from estimax import export as export_lib
 from estimax import serving
+from estimax.serving import artifact as artifact_lib
+from estimax.serving import export as export_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULE = "exported_model_under_test"
@@ -95,7 +96,7 @@ def _predict(est, features, **config):
     """``est.predict()`` as arrays; ``config`` changes RunConfig (same model_dir: the same checkpoint)."""
     if config:
         config = dataclasses.replace(est.config, **config)
-        est = ex.Estimator(est._core.adapter._factory, est._core.model_fn, est._core.optimizer, config=config)
+        est = ex.Estimator(est.core.adapter, est.core.model_fn, est.core.optimizer, config=config)
     rows = list(est.predict(ex.data.from_arrays(features)))
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
@@ -178,7 +179,7 @@ def test_a_sharded_model_exports_whole_arrays(trained, tmp_path):
         sharding_rules=[(r"hidden/kernel", (None, "model"))],
         fsdp_min_bytes=0,
     )
-    sharded = ex.Estimator(est._core.adapter._factory, est._core.model_fn, est._core.optimizer, config=config)
+    sharded = ex.Estimator(est.core.adapter, est.core.model_fn, est.core.optimizer, config=config)
     kernel = sharded.state().params["hidden"]["kernel"].get_value()
     assert kernel.sharding.spec == P("fsdp", "model")
     out = serving.load(sharded.export(str(tmp_path / "sharded"), example_features=inputs))(inputs)
@@ -188,7 +189,7 @@ def test_a_sharded_model_exports_whole_arrays(trained, tmp_path):
 def test_example_features_and_a_clear_error_without_them(trained, tmp_path):
     est, _, inputs, expected = trained
     fresh = ex.Estimator(
-        model=est._core.adapter._factory, model_fn=est._core.model_fn, optimizer=est._core.optimizer, config=est.config
+        model=est.core.adapter, model_fn=est.core.model_fn, optimizer=est.core.optimizer, config=est.config
     )
     with pytest.raises(ValueError, match=r"export\(\) needs the shape and dtype of each feature.*example_features="):
         fresh.export(str(tmp_path / "none"))
@@ -279,9 +280,8 @@ def test_truncated_program_is_an_error_naming_the_file(artifact_copy):
 
 def test_altered_params_are_an_error_naming_the_array(artifact_copy):
     params = os.path.join(artifact_copy, export_lib.PARAMS)
-    arrays = serving._read_params(
-        params, json.load(open(os.path.join(artifact_copy, "signature.json")))["param_arrays"]
-    )
+    signature = json.load(open(os.path.join(artifact_copy, "signature.json")))
+    arrays = artifact_lib.read_params(params, signature["param_arrays"])
     arrays["bn/mean"] = arrays["bn/mean"] + 1
     shutil.rmtree(params)
     export_lib.save_params(params, arrays)

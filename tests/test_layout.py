@@ -22,8 +22,9 @@ from models import blobs
 from models import estimator as mlp_estimator
 
 import estimax as ex
-from estimax import cli, flags
+from estimax import cli
 from estimax import layout as layout_lib
+from estimax.cli import flags
 from estimax.state import leaf_names
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -122,7 +122,7 @@ def test_estimax_train_example_lm_on_a_directory_of_text(tmp_path):
 
 
 def test_the_task_applies_its_rules_on_a_mesh_that_has_their_axes():
-    from estimax import task
+    from estimax.cli import task
 
     lm_task = task.load("estimax.examples.lm", {"dim": "32", "num_heads": "2", "num_layers": "1"})
     on_model_axis = lm_task.estimator(ex.RunConfig(mesh={"data": 4, "model": 2}, quiet=True)).sharding_plan()

@@ -17,6 +17,7 @@ from models import mlp
 from sklearn import metrics as sk
 
 import estimax as ex
+from estimax import loop as loop_lib
 from estimax import metrics as M
 
 # The metrics here come from the features; the model is evaluated untrained on purpose.
@@ -183,13 +184,10 @@ def test_integer_states_are_identical_on_any_devices_and_batch_size(evaluated, n
             np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
-def test_segments_merged_on_the_host_equal_one_device_carry(evaluated):
-    est, reference, _ = evaluated
-    est._evaluator.runner.fold_every = 3  # 16 batches: 5 host merges and a rest
-    try:
-        states = est.evaluate_states(DATA)
-    finally:
-        est._evaluator.runner.fold_every = 256
+def test_segments_merged_on_the_host_equal_one_device_carry(evaluated, monkeypatch):
+    _, reference, _ = evaluated
+    monkeypatch.setattr(loop_lib, "FOLD_EVERY", 3)  # 16 batches: 5 host merges and a rest
+    states = make_estimator(num_devices=8).evaluate_states(DATA)
     assert integer_leaves(states).keys() == integer_leaves(reference).keys()
     for name, leaves in integer_leaves(states).items():
         for got, expected in zip(leaves, integer_leaves(reference)[name], strict=True):

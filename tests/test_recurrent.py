@@ -120,7 +120,7 @@ def test_program_does_not_grow_with_sequence_length():
         features = {"x": jax.ShapeDtypeStruct((K, BATCH, time_steps, 10), jnp.float32)}
         return features, jax.ShapeDtypeStruct((K, BATCH, 10), jnp.float32)
 
-    short, long = (_program_size(est._core.train_loop, state, stack(t)) for t in (10, 40))
+    short, long = (_program_size(est.core.train_loop, state, stack(t)) for t in (10, 40))
     print(f"train loop program: T=10 {short} chars, T=40 {long} chars")
     assert long <= 1.05 * short
 

@@ -124,9 +124,8 @@ def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_pat
     while not seen or seen[-1].strip() != "evaluating":  # the first evaluation (after step 5) has begun
         seen.append(process.stdout.readline())
         assert seen[-1], "".join(seen)
-    started = time.monotonic()
     process.send_signal(signal.SIGTERM)  # 200 slow evaluation batches (10 s) are still to come
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 75, "".join(seen) + out
-    assert time.monotonic() - started < 8, "the evaluation was not interrupted"
+    assert "evaluation input exhausted" not in out, "the evaluation was not interrupted"
     assert max(_checkpoints(model_dir)[0]) == 5 and "training stopped at step 5" in out

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from estimax import task as task_lib
+from estimax.cli import task as task_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

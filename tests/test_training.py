@@ -87,7 +87,7 @@ def test_train_and_evaluate_alternates_without_recompiling(model_dir):
     assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16, 24]
     assert final["num_examples"] == 256 and final == est.evaluate(DATA)
     assert est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every_steps=8) == final  # nothing left to train
-    assert est._train_runner.scan._cache_size() == 1 and est._evaluator.runner.step._cache_size() == 1
+    assert est.compiled() == ex.Compiled("scan", train_scan=1, eval_step=1)
     summary = _records(model_dir, "summary")[-1]
     assert summary["step"] == 24 and summary["accuracy"] == final["accuracy"]
     for part in ("compile", "device", "input_wait", "checkpoint", "evaluation", "total"):

@@ -3,7 +3,7 @@
 ``estimax train`` (or ``estimax train estimax.examples.digits``) runs it: it
 defines what every task module defines (``model``, ``model_fn``,
 ``optimizer``, ``train_input``, ``eval_input``, ``params``), and the optional
-``DEFAULTS`` and ``prediction_record``; see ``estimax/task.py``.
+``DEFAULTS`` and ``prediction_record``; see ``estimax/cli/task.py``.
 
 Architecture of the TensorFlow official MNIST example: conv 5x5x32, max-pool,
 conv 5x5x64, max-pool, dense 1024, dropout 0.4, dense 10. On 8x8 images the
@@ -95,6 +95,6 @@ def optimizer(params: dict = params) -> optax.GradientTransformation:
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:
     """This task's Estimator under ``config``, for use from Python."""
-    from estimax import task
+    from estimax.cli import task
 
     return task.load(__name__).estimator(config)

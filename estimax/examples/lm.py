@@ -3,7 +3,7 @@
 ``estimax train --example lm`` (or ``estimax train estimax.examples.lm``) runs
 it: it defines what every task module defines (``model``, ``model_fn``,
 ``optimizer``, ``train_input``, ``eval_input``, ``params``), and the optional
-``DEFAULTS`` and ``prediction_record``; see ``estimax/task.py``.
+``DEFAULTS`` and ``prediction_record``; see ``estimax/cli/task.py``.
 
 Pre-norm blocks of causal multi-head self-attention and an MLP, learned
 position embeddings, a final LayerNorm and an untied output projection,
@@ -39,7 +39,7 @@ import optax
 from flax import nnx
 
 import estimax as ex
-from estimax.task import with_task_rules
+from estimax.cli.task import with_task_rules
 
 VOCAB_SIZE = 256  # bytes
 HELD_OUT_EVERY = 10  # file i is held out when i % 10 == 9

@@ -45,7 +45,7 @@ def optimizer(params: dict = params) -> optax.GradientTransformation:
 
 def estimator(config: ex.RunConfig) -> ex.Estimator:
     """This task's Estimator under ``config``, for use from Python."""
-    from estimax import task
+    from estimax.cli import task
 
     return task.load(__name__).estimator(config)
 

@@ -20,7 +20,7 @@ import estimax as ex
 from estimax.examples import regression
 
 INPUT_SHAPE = (10, 10, 10)  # (time steps, rows, features)
-# A task module (estimax/task.py): what the two 2018 programs share comes from regression.py.
+# A task module (estimax/cli/task.py): what the two 2018 programs share comes from regression.py.
 DEFAULTS = regression.DEFAULTS
 params = regression.params
 model_fn = regression.model_fn

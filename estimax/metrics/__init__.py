@@ -30,7 +30,7 @@ from estimax.metrics.inputs import (
     result_names,
     train_outputs,
 )
-from estimax.metrics.labels import LOSS_LABELS, check_training, loss_labels, nonfinite_note
+from estimax.metrics.labels import LOSS_LABELS, LabelRange, check_training, loss_labels, nonfinite_note
 from estimax.metrics.protocol import (
     NUM_EXAMPLES,
     Inputs,
@@ -47,7 +47,6 @@ from estimax.metrics.states import (
     AUCState,
     ConfusionState,
     HitsState,
-    LabelRange,
     MaxState,
     MeanState,
     MinState,

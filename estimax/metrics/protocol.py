@@ -28,6 +28,19 @@ NUM_EXAMPLES = "num_examples"
 """The key of the count of valid examples that every evaluation reports."""
 
 
+# -- array helpers of the states -----------------------------------------------
+
+
+def array_module(x):
+    """numpy for host arrays, jax.numpy otherwise: ``merge`` runs on both."""
+    return np if isinstance(x, np.ndarray | np.generic) else jax.numpy
+
+
+def count_true(mask) -> jax.Array:
+    """The number of true entries of ``mask``, in int32 (a state's count on the device)."""
+    return jax.numpy.sum(mask, dtype=jax.numpy.int32)
+
+
 # -- the protocol ---------------------------------------------------------------
 
 

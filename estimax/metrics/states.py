@@ -7,9 +7,8 @@ on jax and numpy arrays alike; ``compute`` on the host in float64. Invalid
 valid-row inputs (scores outside [0, 1], class ids outside the classes) are
 counted in the state and make ``compute`` raise; labels outside the classes
 are kept as a ``LabelRange`` (how many, the first few values), which training
-reads after every loop. How predictions become class ids (argmax over a class
-axis, or a threshold on binary scores) is ``predicted_ids``'s. Owns no inputs
-(``inputs``).
+reads after every loop. How predictions become class ids, and the label
+range, are ``labels``'s. Owns no inputs (``inputs``).
 """
 
 from __future__ import annotations
@@ -21,23 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from estimax.errors import InputError
-from estimax.metrics.protocol import Metric, static
-
-FIRST_LABELS = 4  # out-of-range label values a LabelRange keeps, to name them
-
-
-def _xp(x):
-    """numpy for host arrays, jax.numpy otherwise: ``merge`` runs on both."""
-    return np if isinstance(x, np.ndarray | np.generic) else jnp
+from estimax.metrics.labels import LabelRange, check_class_ids, check_labels, label_range, predicted_ids
+from estimax.metrics.protocol import Metric, array_module, count_true, static
 
 
 def _mask_like(mask: jax.Array, x: jax.Array) -> jax.Array:
     """The per-example mask broadcast over the trailing axes of ``x``."""
     return jnp.broadcast_to(jnp.reshape(mask, mask.shape + (1,) * (jnp.ndim(x) - 1)), jnp.shape(x))
-
-
-def _count(mask) -> jax.Array:
-    return jnp.sum(mask, dtype=jnp.int32)
 
 
 def _divide(a, b):
@@ -46,128 +35,10 @@ def _divide(a, b):
     return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape), where=b != 0)
 
 
-def check_class_ids(what: str, ids) -> None:
-    """Raises unless ``ids`` (labels or predicted ids) are integers or bools: floats are never truncated."""
-    dtype = jnp.result_type(ids)
-    if not (jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_):
-        raise InputError(
-            f"{what} are {dtype} of shape {jnp.shape(ids)}; expected integer class ids (or bools), which are "
-            f"never truncated from floats. Fix: convert them, e.g. `{what.split()[-1]}.astype(jnp.int32)`."
-        )
-
-
-def predicted_ids(predictions, labels, *, num_classes=None, threshold=None, from_logits=False):
-    """``(class ids, invalid scores, number of classes or None)`` of ``predictions`` for ``labels``.
-
-    * scores with one more (class) axis than the labels: argmax over it; a class
-      axis of size 1 holds binary scores;
-    * floats shaped like the labels: binary scores, class 1 where above ``threshold``
-      (0.5 for probabilities, 0 with ``from_logits``); probabilities outside [0, 1]
-      and NaN are invalid;
-    * integers or bools shaped like the labels: class ids.
-    """
-    predictions, labels = jnp.asarray(predictions), jnp.asarray(labels)
-    check_class_ids("labels", labels)
-    floating = jnp.issubdtype(predictions.dtype, jnp.floating)
-    if predictions.ndim == labels.ndim + 1 and predictions.shape[-1] == 1 and floating:
-        predictions = predictions[..., 0]  # one score per example: binary
-    if predictions.ndim == labels.ndim + 1:
-        classes = predictions.shape[-1]
-        if num_classes is not None and classes != num_classes:
-            raise InputError(
-                f"predictions have {classes} classes (shape {predictions.shape}) but num_classes={num_classes}; "
-                f"expected scores of shape {labels.shape + (num_classes,)}. Fix: set num_classes={classes}, "
-                "or check the model's output."
-            )
-        return jnp.argmax(predictions, axis=-1).astype(jnp.int32), jnp.zeros(labels.shape, bool), classes
-    if predictions.shape != labels.shape:
-        raise InputError(
-            f"predictions of shape {predictions.shape} do not fit labels of shape {labels.shape}; expected class "
-            f"ids of shape {labels.shape}, binary scores of shape {labels.shape}, or scores with a class axis "
-            f"{labels.shape + ('num_classes',)}."
-        )
-    if not floating:
-        check_class_ids("predictions", predictions)
-        return predictions.astype(jnp.int32), jnp.zeros(labels.shape, bool), num_classes
-    if num_classes not in (None, 2):
-        raise InputError(
-            f"predictions are {predictions.dtype} of shape {predictions.shape} with num_classes={num_classes}; "
-            "floats shaped like the labels are binary scores, and class ids are never truncated from floats. "
-            f"Fix: pass integer class ids, or the scores with a class axis {labels.shape + (num_classes,)}."
-        )
-    if threshold is None:
-        threshold = 0.0 if from_logits else 0.5
-    invalid = jnp.isnan(predictions) if from_logits else ~((predictions >= 0) & (predictions <= 1))
-    return (predictions > threshold).astype(jnp.int32), invalid, 2
-
-
-_NO_LABEL = np.iinfo(np.int32).max  # an empty slot of LabelRange.smallest
-
-
-def _smallest_distinct(values):
-    """The ``FIRST_LABELS`` smallest distinct ``values``, padded with ``_NO_LABEL`` (device or host)."""
-    if isinstance(values, np.ndarray):
-        distinct = np.unique(values)[:FIRST_LABELS]
-        return np.pad(distinct, (0, FIRST_LABELS - len(distinct)), constant_values=_NO_LABEL).astype(values.dtype)
-    return jnp.unique(values, size=FIRST_LABELS, fill_value=_NO_LABEL)
-
-
-class LabelRange(Metric):
-    """Valid labels outside the classes: how many, and the smallest ``FIRST_LABELS`` distinct values
-    among them (a set, so that merging stays commutative)."""
-
-    count: jax.Array
-    smallest: jax.Array
-
-    @classmethod
-    def from_labels(cls, labels, outside):
-        labels, outside = jnp.ravel(labels).astype(jnp.int32), jnp.ravel(outside)
-        return cls(_count(outside), _smallest_distinct(jnp.where(outside, labels, _NO_LABEL)))
-
-    @classmethod
-    def empty(cls):
-        return cls(np.int32(0), np.full(FIRST_LABELS, _NO_LABEL, np.int32))
-
-    def merge(self, other):
-        xp = _xp(self.smallest)
-        return LabelRange(self.count + other.count, _smallest_distinct(xp.concatenate([self.smallest, other.smallest])))
-
-    def values(self) -> list[int]:
-        return [int(v) for v in np.asarray(self.smallest) if v != _NO_LABEL]
-
-    def message(self, num_classes: int, examples: str = "valid labels") -> str:
-        """One line naming the labels outside ``0..num_classes-1``, or ``""`` if there are none."""
-        if not self.count:
-            return ""
-        values = self.values()
-        more = ", ..." if len(values) == FIRST_LABELS else ""
-        return (
-            f"{int(self.count)} {examples} are outside the classes 0..{num_classes - 1} (values "
-            f"{', '.join(map(str, values))}{more}); expected "
-            f"class ids 0..{num_classes - 1}. Fix: check the labels of the input, or the number of classes."
-        )
-
-    def compute(self) -> dict[str, float]:
-        return {}
-
-
-def _label_range(labels, valid, num_classes) -> LabelRange:
-    labels = jnp.asarray(labels)
-    if num_classes is None or labels.dtype == jnp.bool_:
-        return LabelRange.from_labels(labels, jnp.zeros(labels.shape, bool))
-    return LabelRange.from_labels(labels, valid & ((labels < 0) | (labels >= num_classes)))
-
-
-def _check_labels(state) -> None:
-    message = state.labels.message(state.num_classes)
-    if message:
-        raise InputError(message)
-
-
 def _nonfinite_rows(values, mask) -> jax.Array:
     """Valid rows (examples) with a NaN or Inf value."""
     finite = jnp.isfinite(values).reshape(values.shape[0], -1)
-    return _count(mask & ~jnp.all(finite, axis=1))
+    return count_true(mask & ~jnp.all(finite, axis=1))
 
 
 def _nonfinite_note(nonfinite, rows) -> str:
@@ -186,7 +57,7 @@ class MeanState(Metric):
     @classmethod
     def from_batch(cls, values, weights=None, *, mask):
         values = jnp.asarray(values, jnp.float32)
-        rows = _count(mask)
+        rows = count_true(mask)
         if values.ndim == 0:  # a batch-level scalar: only where nothing is padded (checked by the engine)
             nonfinite = jnp.where(jnp.isfinite(values), 0, rows)
             return cls(values * rows, rows, rows, nonfinite)
@@ -194,7 +65,7 @@ class MeanState(Metric):
         valid = _mask_like(mask, values)
         if weights is None:
             # where(), not multiply: a NaN on a padded row must not leak into the sum.
-            return cls(jnp.sum(jnp.where(valid, values, 0.0)), _count(valid), rows, bad)
+            return cls(jnp.sum(jnp.where(valid, values, 0.0)), count_true(valid), rows, bad)
         weights = jnp.broadcast_to(jnp.asarray(weights, jnp.float32), values.shape)
         total = jnp.sum(jnp.where(valid, values * weights, 0.0))
         return cls(total, jnp.sum(jnp.where(valid, weights, 0.0)), rows, bad)
@@ -274,7 +145,7 @@ class MinState(Metric):
         return cls(_identity(dtype, largest=True), dtype)
 
     def merge(self, other):
-        return MinState(_xp(self.value).minimum(self.value, other.value), self.dtype)
+        return MinState(array_module(self.value).minimum(self.value, other.value), self.dtype)
 
     def compute(self) -> float:
         return float(self.value)
@@ -298,7 +169,7 @@ class MaxState(Metric):
         return cls(_identity(dtype, largest=False), dtype)
 
     def merge(self, other):
-        return MaxState(_xp(self.value).maximum(self.value, other.value), self.dtype)
+        return MaxState(array_module(self.value).maximum(self.value, other.value), self.dtype)
 
     def compute(self) -> float:
         return float(self.value)
@@ -316,7 +187,7 @@ class MomentsState(Metric):
     def from_batch(cls, values, *, mask):
         values = jnp.asarray(values, jnp.float32)
         valid = _mask_like(mask, values)
-        count = _count(valid)
+        count = count_true(valid)
         mean = jnp.sum(jnp.where(valid, values, 0.0)) / jnp.maximum(count, 1)
         m2 = jnp.sum(jnp.where(valid, jnp.square(values - mean), 0.0))
         return cls(count, mean, m2)
@@ -326,7 +197,7 @@ class MomentsState(Metric):
         return cls(np.int32(0), np.float32(0), np.float32(0))
 
     def merge(self, other):
-        xp = _xp(self.mean)
+        xp = array_module(self.mean)
         count = self.count + other.count
         share = xp.where(count > 0, other.count / xp.maximum(count, 1), 0.0)
         delta = other.mean - self.mean
@@ -368,9 +239,10 @@ class HitsState(Metric):
             label_score = jnp.take_along_axis(scores, safe[..., None], axis=-1)[..., 0]
             # In the top k when fewer than k classes score strictly higher (ties count as hits, like tf.nn.in_top_k).
             hits, invalid = jnp.sum(scores > label_score[..., None], axis=-1) < k, jnp.zeros(labels.shape, bool)
-        outside = _label_range(labels, valid, num_classes)
+        outside = label_range(labels, valid, num_classes)
         in_range = (labels >= 0) & (labels < num_classes) if num_classes is not None else True
-        return cls(_count(valid & hits & in_range), _count(valid), outside, _count(valid & invalid), num_classes)
+        hits, rows = count_true(valid & hits & in_range), count_true(valid)
+        return cls(hits, rows, outside, count_true(valid & invalid), num_classes)
 
     def merge(self, other):
         return HitsState(
@@ -382,7 +254,7 @@ class HitsState(Metric):
         )
 
     def compute(self) -> float:
-        _check_labels(self)
+        check_labels(self)
         _check_scores(self.bad_scores)
         return float(_divide(self.hits, self.count)) if self.count else float("nan")
 
@@ -421,9 +293,9 @@ class ConfusionState(Metric):
         counts = jnp.zeros(num_classes * num_classes, jnp.int32).at[cells.ravel()].add(1, mode="drop")
         return cls(
             counts.reshape(num_classes, num_classes),
-            _count(valid & ~predictions_in),
-            _label_range(labels, valid, num_classes),
-            _count(valid & invalid),
+            count_true(valid & ~predictions_in),
+            label_range(labels, valid, num_classes),
+            count_true(valid & invalid),
             num_classes,
             per_class,
         )
@@ -445,7 +317,7 @@ class ConfusionState(Metric):
         )
 
     def compute(self) -> dict[str, float]:
-        _check_labels(self)
+        check_labels(self)
         _check_scores(self.bad_scores)
         if self.out_of_range:
             raise InputError(
@@ -504,7 +376,7 @@ class AUCState(Metric):
         return cls(
             histogram(positive),
             histogram(negative),
-            _count(valid & ~in_range),
+            count_true(valid & ~in_range),
             LabelRange.from_labels(labels, valid & ~(positive | negative)),
             num_thresholds,
             curve,

@@ -19,11 +19,11 @@ import time
 import jax
 
 from estimax import compile_cache, distributed, storage
-from estimax import task as task_lib
+from estimax.cli import task as task_lib
+from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import ConfigError, ModelFnError
-from estimax.flags import RUN_FLAGS, with_fsdp
 
 COMMAND_DEFAULTS = ("max_steps", "eval_every", "model_dir")  # DEFAULTS that are no RunConfig field
 

@@ -1,7 +1,7 @@
 """The ``estimax`` command: train, evaluate and predict a task module.
 
 ``estimax train my_project.task`` (a module path or a ``.py`` file) runs any
-program that follows the task convention (``estimax/task.py``); ``--example
+program that follows the task convention (``estimax/cli/task.py``); ``--example
 NAME`` runs a bundled one (``estimax/examples/``), and ``estimax train`` with
 no task trains the digits CNN and evaluates its held-out split.
 
@@ -24,7 +24,7 @@ import argparse
 import signal
 import sys
 
-from estimax.flags import RUN_FLAGS, non_negative_int, positive_int
+from estimax.cli.flags import RUN_FLAGS, non_negative_int, positive_int
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         usage="estimax launch --num-processes N [--devices-per-process D] [--max-restarts R] -- COMMAND ...",
     )
     _launch_arguments(launch)
-    from estimax import server
+    from estimax.serving import server
 
     server.add_arguments(commands.add_parser("serve", help="serve an exported model over TF Serving's REST API"))
     return parser
@@ -115,7 +115,7 @@ def _launch(argv: list[str]) -> int:
     command = argv[split + 1 :]
     if not command:
         parser.error("expected the command after `--`, e.g. `estimax launch --num-processes 2 -- estimax train`")
-    from estimax.launch import launch
+    from estimax.cli.launch import launch
 
     try:
         return launch(
@@ -157,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":  # the artifact only: no task, no model code, no Flax
-            from estimax import server
+            from estimax.serving import server
 
             return server.main(args)
         check_arguments(args)
-        from estimax import commands
+        from estimax.cli import commands
 
         return commands.run(args)
     except _user_errors() as error:
@@ -205,7 +205,3 @@ class _Version(argparse.Action):
         python = sys.version.split()[0]
         print(f"estimax {__version__} (Python {python}, jax {installed('jax')}, flax {installed('flax')})")
         parser.exit()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Loading an exported model: ``load(path)`` -> a callable on a dict of numpy arrays.
 
-Owns reading and verifying an artifact written by ``estimax.export`` (every
+Owns reading and verifying an artifact written by ``export.py`` (every
 file checked against ``signature.json``, a damaged one named), validating
 and casting inputs against the signature, and running the program on any
 batch size. Needs only jax, numpy and Orbax: never Flax, never the model's
@@ -19,7 +19,7 @@ import numpy as np
 
 from estimax import storage
 from estimax.errors import ArtifactError
-from estimax.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
+from estimax.serving.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
 # exporter. JAX releases a minor version about every two months, with patch releases within it, so
@@ -147,7 +147,7 @@ def load(path: str) -> ExportedModel:
     except Exception as error:
         raise ArtifactError(f"{program_path} cannot be deserialized by jax {jax.__version__}: {error}") from error
     _check_program(path, signature, exported)
-    arrays = _read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
+    arrays = read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
     _warn_outside_window(path, signature["versions"]["jaxlib"])
     return ExportedModel(path, signature, exported, arrays)
 
@@ -207,7 +207,9 @@ def _describe(aval) -> dict:
     return {"dtype": np.dtype(aval.dtype).name, "shape": [d if isinstance(d, int) else str(d) for d in aval.shape]}
 
 
-def _read_params(directory: str, expected: dict) -> dict[str, np.ndarray]:
+def read_params(directory: str, expected: dict) -> dict[str, np.ndarray]:
+    """An artifact's parameter arrays by name (``export.save_params``' counterpart), checked
+    against ``expected`` (the signature's ``param_arrays``); ``ArtifactError`` names what differs."""
     import orbax.checkpoint as ocp
 
     try:

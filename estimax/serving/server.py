@@ -5,7 +5,7 @@ formats of TF Serving (``{"instances": [...]}`` rows or ``{"inputs": {...}}``
 columns in, ``{"predictions": ...}`` or ``{"outputs": ...}`` out), the status
 and metadata endpoints, dynamic batching of concurrent requests, HTTP 400
 for bad requests, and draining in-flight requests on SIGTERM. Loading and
-validating inputs is ``serving.py``'s; this module never imports Flax.
+validating inputs is ``artifact.py``'s; this module never imports Flax.
 """
 
 from __future__ import annotations
@@ -90,10 +90,10 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from estimax import serving
+    from estimax.serving import artifact
 
     try:
-        model = serving.load(args.path)
+        model = artifact.load(args.path)
     except ValueError as error:
         print(f"estimax serve: {error}", file=sys.stderr)
         return 2
@@ -188,6 +188,7 @@ class Handler:
 
     def __init__(self, model, name: str, batcher: Batcher, max_body: int):
         self.model, self.name, self.batcher, self.max_body = model, name, batcher, max_body
+        self.in_flight = 0  # predict requests received and not yet answered
 
     async def route(self, request):
         from aiohttp import web
@@ -218,11 +219,14 @@ class Handler:
             return _error(413, str(error))
         except (ValueError, TypeError) as error:
             return _error(400, str(error))
+        self.in_flight += 1
         try:
             outputs = await self.batcher.predict(prepared)
         except Exception as error:  # the program failed: the server keeps serving
             logger.exception("Prediction failed")
             return _error(500, f"Prediction failed: {type(error).__name__}: {error}")
+        finally:
+            self.in_flight -= 1
         return web.json_response(format_response(outputs, self.model, rows), dumps=_dumps)
 
     async def _body(self, request) -> bytes:
@@ -242,6 +246,7 @@ class Handler:
             ) from None
 
     def status(self) -> dict:
+        """TF Serving's status answer, with the requests estimax is working on alongside."""
         return {
             "model_version_status": [
                 {
@@ -249,7 +254,8 @@ class Handler:
                     "state": "AVAILABLE",
                     "status": {"error_code": "OK", "error_message": ""},
                 }
-            ]
+            ],
+            "estimax": {"requests_in_flight": self.in_flight},
         }
 
     def metadata(self) -> dict:

@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from estimax import export as export_lib
+from estimax.serving import export as export_lib
 
 
 def export(core, state, path: str, features) -> str:

@@ -1,0 +1,34 @@
+"""Serving: exporting a trained model, loading the artifact without Flax, and the HTTP server.
+
+``export.py`` writes an artifact (a ``jax.export`` program, its parameters and
+``signature.json``); ``export_tf.py`` writes a TensorFlow SavedModel beside it;
+``artifact.py`` loads and verifies one (``estimax.serving.load``); ``server.py``
+answers TF Serving's REST API over it. Nothing here imports the model's code.
+
+The public names are imported on first use, so that ``estimax serve --help``
+does not import JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from estimax.serving.artifact import ArtifactError as ArtifactError
+    from estimax.serving.artifact import ExportedModel as ExportedModel
+    from estimax.serving.artifact import load as load
+
+__all__ = ["ArtifactError", "ExportedModel", "load"]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module 'estimax.serving' has no attribute {name!r}")
+    value = getattr(importlib.import_module("estimax.serving.artifact"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])
