@@ -61,7 +61,7 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 75
     process = _start(run, env)  # killed as soon as it has resumed
-    _until(process, "loop=auto: using step, the mode the checkpoint of step 50 was trained with")
+    _until(process, "loop=auto: using step, the loop the checkpoint of step 50 was trained with")
     process.kill()
     process.wait()
     process = _start(run, env)  # killed in the middle of training
@@ -69,7 +69,7 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     process.kill()
     process.wait()
     last = _finish(_start(run, env))
-    assert "the mode the checkpoint of step 50 was trained with" in last and "no convolution" not in last
+    assert "the loop the checkpoint of step 50 was trained with" in last and "no convolution" not in last
     # The train step compiled by the first process is read back, not compiled again.
     assert "Persistent compilation cache hit for 'jit_step'" in last
     assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" not in last
