@@ -76,8 +76,12 @@ class TrainRunner:
         rep, state, stack, batch = layout.replicated, layout.state, layout.stack, layout.batch
         self._batch_sharding = batch
         self.scan = jax.jit(core.train_loop, in_shardings=(state, stack), out_shardings=(state, rep), donate_argnums=0)
+        # ``measure`` (a device bool): like the scan, a loop reads every gradient on its last step only.
         self.step = jax.jit(
-            _with_step_axis(core.train_step), in_shardings=(state, batch), out_shardings=(state, rep), donate_argnums=0
+            _with_step_axis(core.train_step),
+            in_shardings=(state, batch, rep),
+            out_shardings=(state, rep),
+            donate_argnums=0,
         )
         # Separate from the step so that a shorter final stack recompiles only this slice.
         self._batch_at = jax.jit(
@@ -85,6 +89,7 @@ class TrainRunner:
             out_shardings=batch,
         )
         self._indices = [jax.device_put(np.int32(i), rep) for i in range(steps_per_loop)]
+        self._measure = {last: jax.device_put(np.bool_(last), rep) for last in (False, True)}
         self._steps_per_loop = steps_per_loop
         self._micro_batches = core.grad_accum_steps
         self.loop = loop
@@ -113,23 +118,24 @@ class TrainRunner:
         if not self._counted:  # lowered once more (not compiled): one estimate per run
             self._counted = True
             batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk.stack)
-            self.flops_per_step = flops.step_flops(self.step, state, batch, micro_batches=self._micro_batches)
+            measure = jax.ShapeDtypeStruct((), np.bool_)
+            self.flops_per_step = flops.step_flops(self.step, state, batch, measure, micro_batches=self._micro_batches)
         if self.loop == "auto":
             self.loop, reason = self._choose(state, chunk)
             logger.info("loop=auto: using %s: %s", self.loop, reason)
         if self.loop == "scan":  # a shorter final stack compiles once more
             (state, outputs), compiling = self._timed(self.scan, state, chunk.stack)
             return state, [outputs], compiling
-        return self._steps(state, chunk.stack, range(chunk.num_steps))
+        return self._steps(state, chunk.stack, chunk.num_steps)
 
-    def _steps(self, state, stack, indices):
+    def _steps(self, state, stack, num_steps: int):
         outputs, compiling = [], 0.0
-        for i in indices:
-            batch = self._batch_at(stack, self._indices[i])
+        for i in range(num_steps):
+            batch, measure = self._batch_at(stack, self._indices[i]), self._measure[i == num_steps - 1]
             if _count(self.step):  # compiled once: every batch has the same shapes
-                state, out = self.step(state, batch)
+                state, out = self.step(state, batch, measure)
             else:
-                (state, out), compiling = self._timed(self.step, state, batch)
+                (state, out), compiling = self._timed(self.step, state, batch, measure)
             outputs.append(out)
             if len(outputs) > MAX_STEPS_IN_FLIGHT:
                 jax.block_until_ready(outputs[-MAX_STEPS_IN_FLIGHT - 1])  # host sync: bound the queue
@@ -151,7 +157,8 @@ class TrainRunner:
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self._batch_sharding), chunk.stack
         )
-        slow = count_primitives(self.step.trace(state, batch).jaxpr, SLOW_IN_CPU_LOOPS)
+        measure = jax.ShapeDtypeStruct((), np.bool_)
+        slow = count_primitives(self.step.trace(state, batch, measure).jaxpr, SLOW_IN_CPU_LOOPS)
         if slow:
             return "step", (
                 f"the training step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
@@ -177,8 +184,8 @@ def count_primitives(jaxpr, names: tuple[str, ...]) -> int:
 def _with_step_axis(train_step):
     """``train_step`` whose outputs have a leading steps axis of 1, like a scan's."""
 
-    def step(state, batch):
-        state, outputs = train_step(state, batch)
+    def step(state, batch, measure):
+        state, outputs = train_step(state, batch, measure)
         return state, jax.tree.map(lambda x: x[None], outputs)
 
     return step
