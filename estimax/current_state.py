@@ -14,8 +14,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
+import jax
+
 from estimax import checkpoint as checkpoint_lib
 from estimax import run_record
+from estimax.errors import EstimaxError
 
 
 class UntrainedWarning(UserWarning):
@@ -59,6 +62,13 @@ class CurrentState:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"
             if self.warm_start is not None:
                 self.state, self.origin = self.warm_start.apply(self.state), "warm_start"
+        elif any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state) if isinstance(leaf, jax.Array)):
+            raise EstimaxError(
+                f"The Estimator's state of step {self.step} has arrays that were deleted or donated outside "
+                "estimax (e.g. est.state() passed to a jax.jit with donate_argnums); expected the arrays it "
+                "holds. Fix: pass a copy, `jax.tree.map(jnp.copy, est.state())`, or restore a checkpoint "
+                "with a new Estimator."
+            )
         return self.state
 
     def publish(self, state, step: int, input_state) -> None:

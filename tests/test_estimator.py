@@ -238,3 +238,10 @@ def test_loops_make_no_implicit_transfers():
         est.train(data, max_steps=8)
         est.evaluate(data)
         list(est.predict(data))
+
+
+def test_a_state_donated_outside_estimax_is_one_clear_error():
+    est = estimator(steps_per_loop=2).train(ex.data.from_arrays(*blobs(64)), max_steps=2)
+    jax.jit(lambda state: state, donate_argnums=0)(est.state())  # the user's own program takes the arrays
+    with pytest.raises(ex.EstimaxError, match=r"state of step 2 has arrays that were deleted or donated.*jnp.copy"):
+        est.train(ex.data.from_arrays(*blobs(64)), max_steps=4)
