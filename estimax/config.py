@@ -287,6 +287,6 @@ def best_from(best: Best | None, deprecated: dict) -> Best | None:
         f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
         f"pass best={replacement!r}.",
         DeprecationWarning,
-        stacklevel=5,
+        stacklevel=4,  # best_from, train_and_evaluate, its one-thread wrapper, the caller
     )
     return replacement if (metric is not None or patience is not None) else None
