@@ -2,7 +2,7 @@
 
 Owns joining the process group, loading the task, building its ``RunConfig``
 from the flags (``flags.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
-own defaults, and running the command. Owns no argument parsing (``cli.py``)
+own defaults, and running the command. Owns no argument parsing (``entry.py``)
 and no convention (``task.py``). Imported only after the arguments are known
 to be well-formed: importing it imports JAX.
 """

@@ -4,7 +4,7 @@ Each flag is named after its field (``--train-batch-size`` sets
 ``train_batch_size``); the shorter names of earlier releases stay as aliases
 (``--batch-size``). A task's ``DEFAULTS`` may use either name. Owns the table
 and the argument types (checked without importing JAX); does not own parsing
-(``cli.py``) nor what a command does with the settings (``commands.py``).
+(``entry.py``) nor what a command does with the settings (``commands.py``).
 """
 
 from __future__ import annotations

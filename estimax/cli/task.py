@@ -26,7 +26,7 @@ and optionally:
 
 Owns loading a task, checking it against the convention, typing ``--set``
 overrides from the defaults and building the ``Estimator``. Owns no argument
-parsing (``cli.py``) and no training.
+parsing (``entry.py``) and no training.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ stays small and weights can be swapped:
     <path>/params/           an Orbax checkpoint of a flat dict ``{"conv1/kernel": array}``
     <path>/signature.json    inputs, outputs, platforms, step, versions, checksums
 
-Does not own loading (``serving.py``) nor serving over HTTP (``server.py``).
+Does not own loading (``artifact.py``) nor serving over HTTP (``server.py``).
 """
 
 from __future__ import annotations
