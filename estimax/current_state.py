@@ -14,11 +14,10 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-import jax
-
 from estimax import checkpoint as checkpoint_lib
 from estimax import run_record
 from estimax.errors import EstimaxError
+from estimax.state import has_deleted_arrays
 
 
 class UntrainedWarning(UserWarning):
@@ -62,7 +61,7 @@ class CurrentState:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"
             if self.warm_start is not None:
                 self.state, self.origin = self.warm_start.apply(self.state), "warm_start"
-        elif any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state) if isinstance(leaf, jax.Array)):
+        elif has_deleted_arrays(self.state):
             raise EstimaxError(
                 f"The Estimator's state of step {self.step} has arrays that were deleted or donated outside "
                 "estimax (e.g. est.state() passed to a jax.jit with donate_argnums); expected the arrays it "

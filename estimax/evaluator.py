@@ -31,6 +31,7 @@ from estimax.data.source import SizedSource
 from estimax.errors import EstimaxError, EvaluationError, InputError
 from estimax.loop import EvalRunner
 from estimax.progress import EvalProgress
+from estimax.state import has_deleted_arrays
 
 
 def _describe(error: BaseException) -> str:
@@ -96,7 +97,7 @@ def _named_input(batches: Iterator) -> Iterator:
 
 def _check_not_donated(state, step: int) -> None:
     """A prediction generator continued after train() moved the state it predicts with."""
-    if any(leaf.is_deleted() for leaf in jax.tree.leaves(state.params) if isinstance(leaf, jax.Array)):
+    if has_deleted_arrays(state.params):
         raise EvaluationError(
             f"This predict() generator predicts with the state of step {step}, whose arrays train() has "
             "since given to training (they are donated, not copied). Fix: finish iterating before training, "

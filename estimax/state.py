@@ -31,3 +31,8 @@ def leaf_names(tree) -> list[str]:
     """``/``-joined paths of the leaves of a parameter tree, e.g. ``conv1/kernel``, in leaf order."""
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
     return [jax.tree_util.keystr(p, simple=True, separator="/").removesuffix("/value") for p in paths]
+
+
+def has_deleted_arrays(tree) -> bool:
+    """Whether a leaf of ``tree`` is a ``jax.Array`` that was donated or deleted (it cannot be read)."""
+    return any(leaf.is_deleted() for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array))
