@@ -1,9 +1,11 @@
 """Steady-state training throughput: estimax against hand-written JAX loops.
 
-Trains four models (a tiny host-bound MLP, a small LSTM, the LM example's
-transformer and the TF official MNIST CNN) on synthetic data, in one process, with three contenders that share
-the model definition, the optimizer and the input (host numpy arrays, a fresh
-permutation per epoch, rows gathered per batch):
+Trains five models by default (a tiny host-bound MLP, a small LSTM, the LM
+example's transformer, the TF official MNIST CNN and the digits example's CNN)
+on synthetic data, and GPT-2 small in bfloat16 when asked (``--workloads
+gpt2``, for accelerators), in one process, with three contenders that share
+the model definition, the optimizer, the compute dtype and the input (host
+numpy arrays, a fresh permutation per epoch, rows gathered per batch):
 
 - ``jit_step``: one ``jax.jit`` call per step (state donated), at most ~10 in flight;
 - ``jit_scan``: one ``jax.jit`` of ``lax.scan`` over K stacked batches per call;
@@ -12,25 +14,32 @@ permutation per epoch, rows gathered per batch):
   batches (the references' own generator: estimax checks and stacks them); each
   with ``model_dir=None`` and with a model_dir (``_model_dir``: metrics.jsonl and
   TensorBoard with every step's points, the default log interval, no checkpoints).
+  ``--estimax arrays,arrays_model_dir`` times only some of the four.
 
 Each contender is warmed up first (compilation excluded), then timed windows
 alternate between contenders for a few rounds; the best steps/s of each is
 kept. One JSON line per workload goes to stdout, with
-``ratio_<input> = estimax / max(jit_step, jit_scan)`` for each input (target >= 0.95).
+``ratio_<input> = estimax / max(jit_step, jit_scan)`` for each input (target
+>= 0.95), the loop ``auto`` chose, and per contender the achieved TFLOP/s by
+the compiler's count of the hand-written step, the MFU where the device's
+peak is known (``estimax/flops.py``) and tokens/s for the token models.
 
 Expected on XLA:CPU: the scan wins on the host-bound MLP and LSTM, while the
 CNN's convolution gradients run ~10x slower inside a rolled ``lax.scan`` than
-as one call per step, so ``auto`` should pick ``step`` there.
+as one call per step, so ``auto`` should pick ``step`` there. On a GPU ``auto``
+picks the scan.
 
-Run: ``python benchmarks/loops.py`` (about 4 minutes on 2 cores);
+Run: ``python benchmarks/loops.py`` (about 15 minutes on 2 cores);
 ``--workloads mlp,lstm`` picks workloads, ``--quick`` is a < 1 minute smoke run
-whose numbers are not meaningful.
+whose numbers are not meaningful. On a GPU: ``python benchmarks/loops.py
+--workloads gpt2,lm,cnn,digits --estimax arrays,arrays_model_dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import json
 import logging
@@ -47,7 +56,8 @@ import optax
 from flax import nnx
 
 import estimax as ex
-from estimax.examples import lm
+from estimax import flops
+from estimax.examples import digits, lm
 
 IN_FLIGHT = 10  # the jit_step reference waits on the step this many calls back
 
@@ -95,6 +105,16 @@ def language_model(rngs: nnx.Rngs) -> nnx.Module:
     return lm.Transformer(seq_len=64, dim=128, num_heads=4, num_layers=2, mlp_ratio=4, rngs=rngs)
 
 
+def gpt2_small(rngs: nnx.Rngs) -> nnx.Module:
+    """The LM example at GPT-2 small's shape (``--set preset=gpt2-small``): 12 blocks of width 768 over 1,024 bytes."""
+    return lm.Transformer(**lm.PRESETS["gpt2-small"], rngs=rngs)
+
+
+def digits_cnn(rngs: nnx.Rngs) -> nnx.Module:
+    """The digits example's CNN (``estimax/examples/digits.py``): the TF official MNIST CNN on 8x8 images."""
+    return digits.CNN(rngs=rngs)
+
+
 def token_cross_entropy(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(axis=-1)
 
@@ -121,6 +141,7 @@ class Workload:
     scan_steps: int | None = None  # per timed window of jit_scan (a multiple of k); default: steps
     examples: int = 8192
     tokens: bool = False  # integer bytes in and out (the LM)
+    compute_dtype: str | None = None  # mixed precision: RunConfig(compute_dtype=...), the same casts by hand
 
     def data(self, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng(seed)
@@ -140,11 +161,28 @@ WORKLOADS = {
         "lm", language_model, token_cross_entropy, (64,), (64,), batch=16, lr=0.05, k=20, steps=400, tokens=True
     ),
     "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=14, steps=42, scan_steps=14),
+    "digits": Workload("digits", digits_cnn, cross_entropy, (8, 8), None, batch=128, lr=0.05, k=50, steps=1000),
+    # For accelerators: ~2e13 FLOPs per step (32 x 1,024 tokens), hours per window on a CPU.
+    "gpt2": Workload(
+        "gpt2",
+        gpt2_small,
+        token_cross_entropy,
+        (1024,),
+        (1024,),
+        batch=32,
+        lr=0.05,
+        k=20,
+        steps=200,
+        examples=2048,
+        tokens=True,
+        compute_dtype="bfloat16",
+    ),
 }
+DEFAULT_WORKLOADS = ("mlp", "lstm", "lm", "cnn", "digits")  # gpt2 only when asked for
 
 
 def quick(w: Workload) -> Workload:
-    """A smoke run: the smallest k that lets ``auto`` time both modes, batches of 32, short windows."""
+    """A smoke run: 14 steps per loop, batches of at most 32, short windows."""
     steps = 14 * (3 if w.name == "cnn" else 12)
     return dataclasses.replace(w, batch=min(w.batch, 32), k=14, steps=steps, scan_steps=14, examples=2048)
 
@@ -162,19 +200,30 @@ def shuffled_batches(x: np.ndarray, y: np.ndarray, batch: int, seed: int = 0):
 
 
 def reference_step(w: Workload):
-    """(initial state, pure train step): NNX split into params and the rest (RNG state), threaded through."""
+    """(initial state, pure train step): NNX split into params and the rest (RNG state), threaded through.
+
+    With a ``compute_dtype``, floating parameters and features are cast down inside the
+    differentiated function (float32 masters, as estimax's ``RunConfig(compute_dtype=...)``)."""
     graphdef, params, rest = nnx.split(w.build(nnx.Rngs(0)), nnx.Param, ...)
     optimizer = optax.sgd(w.lr)
+    low = (lambda tree: tree) if w.compute_dtype is None else functools.partial(cast_floating, dtype=w.compute_dtype)
+
+    def loss_fn(params, rest, x, y):
+        model = nnx.merge(graphdef, low(params), rest, copy=True)  # new variables, of this trace
+        loss = jnp.mean(w.loss(model(low(x)), y).astype(jnp.float32))
+        return loss, nnx.split(model, nnx.Param, ...)[2]
 
     def step(state, batch):
         params, opt_state, rest = state
-        x, y = batch
-        model = nnx.merge(graphdef, params, rest)
-        loss, grads = nnx.value_and_grad(lambda model: jnp.mean(w.loss(model(x), y)))(model)
+        (loss, rest), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, rest, *batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state, nnx.split(model, nnx.Param, ...)[2]), loss
+        return (optax.apply_updates(params, updates), opt_state, rest), loss
 
     return (params, optimizer.init(params), rest), step
+
+
+def cast_floating(tree, dtype: str):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def jit_step_runner(w: Workload, x, y) -> Callable[[int], None]:
@@ -234,7 +283,12 @@ def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tupl
         else dict(checkpoint=ex.CheckpointPolicy(every_steps=None), tensorboard=True)
     )
     config = ex.RunConfig(
-        model_dir=model_dir, train_batch_size=w.batch, steps_per_loop=w.k, loop="auto", **logging_settings
+        model_dir=model_dir,
+        train_batch_size=w.batch,
+        steps_per_loop=w.k,
+        loop="auto",
+        compute_dtype=w.compute_dtype,
+        **logging_settings,
     )
     est = ex.Estimator(
         model=lambda rngs, params: w.build(rngs), model_fn=model_fn, optimizer=optax.sgd(w.lr), config=config
@@ -261,12 +315,16 @@ def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def benchmark(w: Workload, rounds: int, model_dirs: str) -> dict:
+ESTIMAX_VARIANTS = ("arrays", "arrays_model_dir", "iterable", "iterable_model_dir")
+
+
+def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIANTS) -> dict:
     x, y = w.data()
     estimators = {
         f"{input}{suffix}": estimax_runner(w, x, y, input, model_dir)
         for input in ("arrays", "iterable")
         for suffix, model_dir in (("", None), ("_model_dir", os.path.join(model_dirs, f"{w.name}-{input}")))
+        if f"{input}{suffix}" in variants
     }
     contenders = {  # name: (run, warm-up steps, timed steps)
         "jit_step": (jit_step_runner(w, x, y), 2 * w.k, w.steps),
@@ -283,19 +341,46 @@ def benchmark(w: Workload, rounds: int, model_dirs: str) -> dict:
     reference = max(best["jit_step"], best["jit_scan"])
     return {
         "workload": w.name,
+        "device": jax.devices()[0].device_kind,
         "batch": w.batch,
         "steps_per_loop": w.k,
+        "compute_dtype": w.compute_dtype,
         **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
         "estimax_loop": {input: est.compiled().loop for input, (_, est) in estimators.items()},
         **{f"ratio_{input}": round(best[f"estimax_{input}"] / reference, 3) for input in estimators},
+        **model_rates(w, x, y, best),
     }
+
+
+def model_rates(w: Workload, x, y, best: dict[str, float]) -> dict:
+    """Tokens/s (token workloads), achieved TFLOP/s and, where the device's peak is known, MFU of
+    each contender, from the compiler's FLOP count of the hand-written step (the same model)."""
+    state, step = reference_step(w)
+    flops_per_step = flops.step_flops(jax.jit(step), state, next(shuffled_batches(x, y, w.batch)))
+    rates = {}
+    if w.tokens:
+        rates["tokens_per_sec"] = {name: round(value * w.batch * w.x_shape[0]) for name, value in best.items()}
+    if flops_per_step is not None:
+        peak = flops.device_peak(w.compute_dtype)
+        achieved = {name: flops.achieved(flops_per_step, value, 1, peak) for name, value in best.items()}
+        rates["tflops_per_sec"] = {name: round(a["tflops_per_device"], 3) for name, a in achieved.items()}
+        if peak is not None:
+            rates["mfu"] = {name: round(a["mfu"], 3) for name, a in achieved.items()}
+    return rates
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny windows, one round")
     parser.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of " + ", ".join(WORKLOADS)
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated subset of {', '.join(WORKLOADS)} (default: {', '.join(DEFAULT_WORKLOADS)})",
+    )
+    parser.add_argument(
+        "--estimax",
+        default=",".join(ESTIMAX_VARIANTS),
+        help="the estimax runs to time: comma-separated subset of " + ", ".join(ESTIMAX_VARIANTS),
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed windows per contender (best is kept)")
     args = parser.parse_args(argv)
@@ -303,11 +388,16 @@ def main(argv=None) -> None:
     unknown = sorted(set(names) - WORKLOADS.keys())
     if unknown:
         parser.error(f"unknown workloads {unknown}; expected some of {sorted(WORKLOADS)}")
+    variants = [v for v in args.estimax.split(",") if v]
+    if not set(variants) <= set(ESTIMAX_VARIANTS):
+        parser.error(
+            f"unknown estimax runs {sorted(set(variants) - set(ESTIMAX_VARIANTS))}; expected some of {ESTIMAX_VARIANTS}"
+        )
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dirs:
         for name in names:
             w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
-            print(json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs)), flush=True)
+            print(json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs, variants)), flush=True)
     print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 
