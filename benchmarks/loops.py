@@ -161,7 +161,7 @@ WORKLOADS = {
         "lm", language_model, token_cross_entropy, (64,), (64,), batch=16, lr=0.05, k=20, steps=400, tokens=True
     ),
     "cnn": Workload("cnn", CNN, cross_entropy, (28, 28, 1), None, batch=128, lr=0.05, k=14, steps=42, scan_steps=14),
-    "digits": Workload("digits", digits_cnn, cross_entropy, (8, 8), None, batch=128, lr=0.05, k=50, steps=1000),
+    "digits": Workload("digits", digits_cnn, cross_entropy, (8, 8), None, batch=128, lr=0.05, k=50, steps=200),
     # For accelerators: ~2e13 FLOPs per step (32 x 1,024 tokens), hours per window on a CPU.
     "gpt2": Workload(
         "gpt2",
@@ -363,7 +363,7 @@ def model_rates(w: Workload, x, y, best: dict[str, float]) -> dict:
     if flops_per_step is not None:
         peak = flops.device_peak(w.compute_dtype)
         achieved = {name: flops.achieved(flops_per_step, value, 1, peak) for name, value in best.items()}
-        rates["tflops_per_sec"] = {name: round(a["tflops_per_device"], 3) for name, a in achieved.items()}
+        rates["tflops_per_sec"] = {name: float(f"{a['tflops_per_device']:.3g}") for name, a in achieved.items()}
         if peak is not None:
             rates["mfu"] = {name: round(a["mfu"], 3) for name, a in achieved.items()}
     return rates

@@ -166,6 +166,8 @@ def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path)
     url, out_dir = "gs://bkt/multihost", tmp_path / "out"
     launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
     deadline = time.monotonic() + 120
+    # A bucket has no atomic rename: a step's folder is listed while it is written. Step 8's folder
+    # means step 4 was committed (a save starts once the one before it has finished).
     while max([int(n) for n in storage.listdir(f"{url}/checkpoints") if n.isdigit()] or [0]) < 8:
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
         time.sleep(0.1)
