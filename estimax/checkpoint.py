@@ -7,7 +7,8 @@ restoring the latest *good* one into the shardings the run expects.
 A checkpoint is the state (Orbax ``StandardSave``: tensorstore arrays and
 JSON metadata, never pickle) plus a JSON record with the step, the input
 position and a checksum of every array computed on the device at save time.
-A half-written checkpoint (a killed save) is never listed by Orbax; a
+A half-written checkpoint (a killed save) is never listed by Orbax, and a
+writer removes it with a warning naming the step; a
 truncated or altered one fails to restore or fails its checksums, and the
 previous one is used instead, with a warning that names both. A writer
 (the process holding the model_dir's lock) then moves the damaged step
@@ -39,6 +40,8 @@ from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
 logger = logging.getLogger("estimax")
+# A step's folder, or the temporary folder Orbax writes a step into before renaming it.
+_UNFINISHED = re.compile(r"(\d+)(\.orbax-checkpoint-tmp.*)?")
 
 
 class Checkpointer:
@@ -91,11 +94,27 @@ class Checkpointer:
         cleaned up, and the damaged steps a restore found are moved aside (by ``primary`` only, the
         one process that renames for a group)."""
         if self.read_only:
+            unfinished = self._unfinished_steps() if primary else []
             self._manager.close()
-            self._manager, self.read_only = self._open(False), False
+            self._manager, self.read_only = self._open(False), False  # Orbax removes unfinished saves
+            for step in unfinished:
+                logger.warning(
+                    "The save of step %d in %s never finished (the process writing it stopped): removed; the "
+                    "latest finished checkpoint is used, and step %d is saved again when training reaches it.",
+                    step,
+                    self.directory,
+                    step,
+                )
         self._primary = primary
         if primary:
             self._move_damaged_aside()
+
+    def _unfinished_steps(self) -> list[int]:
+        """The steps of saves that were stopped while they were written, which Orbax does not list:
+        on a local disk a folder under Orbax's temporary name, on a bucket (no atomic rename) the
+        step's own folder without Orbax's commit marker."""
+        names = (_UNFINISHED.fullmatch(name) for name in storage.listdir(self.directory))
+        return sorted({int(match[1]) for match in names if match} - set(self.steps()))  # steps() reloads
 
     def close_for_writing(self) -> None:
         """Back to a read-only view (the caller releases the lock): saves in flight complete first."""

@@ -1,5 +1,6 @@
 """Every test sees 8 simulated CPU devices, as a TPU v2-8 host would."""
 
+import logging
 import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -18,3 +19,13 @@ def pytest_configure(config):
 @pytest.fixture
 def model_dir(tmp_path):
     return str(tmp_path / "run")
+
+
+@pytest.fixture
+def estimax_log(caplog):
+    """The estimax logger's records (it does not propagate once it has its console handler)."""
+    logger = logging.getLogger("estimax")
+    logger.addHandler(caplog.handler)
+    with caplog.at_level("INFO", logger="estimax"):
+        yield caplog
+    logger.removeHandler(caplog.handler)

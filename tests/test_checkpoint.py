@@ -50,7 +50,7 @@ def test_save_every_steps_is_a_shorthand():
 
 
 @pytest.mark.parametrize("damage", ["truncate", "alter"])
-def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damage, caplog):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damage, estimax_log):
     est = estimator(model_dir, save_every_steps=4)
     est.train(DATA, max_steps=8)
     at_8 = _params(est)
@@ -64,12 +64,26 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damag
                 byte = f.read(1)
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte[0] ^ 0xFF]))
-    with caplog.at_level("WARNING", logger="estimax"):
-        resumed = estimator(model_dir, save_every_steps=4)
-        assert resumed.step == 8
-    assert "checkpoints/12 cannot be used" in caplog.text and "Restored step 8" in caplog.text
+    resumed = estimator(model_dir, save_every_steps=4)
+    assert resumed.step == 8
+    assert "checkpoints/12 cannot be used" in estimax_log.text and "Restored step 8" in estimax_log.text
     for name, value in _params(resumed).items():
         np.testing.assert_array_equal(value, at_8[name])
+
+
+def test_a_save_stopped_before_it_finished_is_removed_with_a_warning_and_saved_again(model_dir, estimax_log):
+    uninterrupted = estimator(model_dir, save_every_steps=4).train(DATA, max_steps=12)
+    at_12 = _params(uninterrupted)
+    root = os.path.join(model_dir, "checkpoints")
+    # What a save killed before its last rename leaves: the step under Orbax's temporary name.
+    os.rename(os.path.join(root, "12"), os.path.join(root, "12.orbax-checkpoint-tmp-1764000000"))
+    resumed = estimator(model_dir, save_every_steps=4)
+    assert resumed.step == 8
+    resumed.train(DATA, max_steps=12)
+    assert f"The save of step 12 in {root} never finished" in estimax_log.text
+    assert sorted(os.listdir(root)) == ["12", "4", "8"]
+    for name, value in _params(resumed).items():
+        np.testing.assert_array_equal(value, at_12[name])
 
 
 def test_altered_checksums_are_detected(model_dir):

@@ -2,7 +2,6 @@
 
 import itertools
 import json
-import logging
 import os
 
 import jax
@@ -95,16 +94,6 @@ class _TinyCNN(nnx.Module):
 
     def __call__(self, x):
         return self.out(nnx.relu(self.conv(x.reshape(-1, 3, 2, 1))).mean(axis=(1, 2)))
-
-
-@pytest.fixture
-def estimax_log(caplog):
-    """The estimax logger's records (it does not propagate once it has its console handler)."""
-    logger = logging.getLogger("estimax")
-    logger.addHandler(caplog.handler)
-    with caplog.at_level("INFO", logger="estimax"):
-        yield caplog
-    logger.removeHandler(caplog.handler)
 
 
 def test_auto_chooses_from_the_traced_step_without_compiling_the_other_mode(estimax_log):

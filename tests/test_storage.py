@@ -133,6 +133,25 @@ def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
     assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
 
 
+def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_path, caplog):
+    url = "gs://bkt/unfinished"
+    estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(ex.data.from_arrays(*DATA), max_steps=8)
+    fs, inner = fsspec.core.url_to_fs(url)
+    # A bucket has no atomic rename: a save stopped mid-write leaves the step's folder without Orbax's marker.
+    fs.rm_file(f"{inner}/checkpoints/8/commit_success.txt")
+    resumed = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    with caplog.at_level("INFO", logger="estimax"):
+        resumed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+    assert f"The save of step 8 in {url}/checkpoints never finished" in caplog.text
+    assert "Restored checkpoint step 4" in caplog.text
+    assert "checkpoints/8/commit_success.txt" in bucket_names(url)
+    local = estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
+    local.train(ex.data.from_arrays(*DATA), max_steps=8)
+    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
     url = "gs://bkt/locked"
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
