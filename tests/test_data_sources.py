@@ -3,7 +3,6 @@ exact evaluation on every process, resume positions and errors that name the cul
 
 import itertools
 import json
-import logging
 import os
 import re
 import time
@@ -49,7 +48,7 @@ def _source(kind, n, tmp_path, num_files=4):
 
 
 @pytest.mark.parametrize("kind", ["arrays", "grain", "tfrecord"])
-def test_three_epochs_see_every_example_once_per_epoch(kind, tmp_path, monkeypatch, caplog):
+def test_three_epochs_see_every_example_once_per_epoch(kind, tmp_path, monkeypatch, estimax_log):
     """What the device loop consumed, over 3 epochs of 1,000 examples, batch 64, 8 devices."""
     consumed = []
     run = TrainRunner.run
@@ -60,10 +59,8 @@ def test_three_epochs_see_every_example_once_per_epoch(kind, tmp_path, monkeypat
 
     monkeypatch.setattr(TrainRunner, "run", recording_run)
     est = estimator(train_batch_size=64, steps_per_loop=7, loop="scan")
-    monkeypatch.setattr(logging.getLogger("estimax"), "propagate", True)  # for caplog
-    with caplog.at_level("INFO", logger="estimax"):
-        est.train(_source(kind, 1000, tmp_path), epochs=3)
-    announced = re.search(r"epoch is (\d+) steps .*; (\d+) examples per epoch are dropped", caplog.text)
+    est.train(_source(kind, 1000, tmp_path), epochs=3)
+    announced = re.search(r"epoch is (\d+) steps .*; (\d+) examples per epoch are dropped", estimax_log.text)
     steps, dropped = map(int, announced.groups())
     assert est.step == 3 * steps and steps * 64 + dropped == 1000
     batches = np.concatenate(consumed)

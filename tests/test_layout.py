@@ -4,7 +4,6 @@ References are always the pure data-parallel run of the same model, seed and
 data (`mesh=None`), or a checkpoint's own arrays; never numbers the layout printed.
 """
 
-import logging
 import os
 import shutil
 import subprocess
@@ -230,7 +229,7 @@ def test_fsdp_8_holds_an_eighth_of_the_state_per_device():
     assert replicated.sharding_plan().totals["total"] == replicated_bytes == sharded.sharding_plan().replicated_total
 
 
-def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device():
+def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_device(estimax_log):
     est = tiny(**LAYOUTS["data=2,fsdp=2,model=2"])
     plan = est.sharding_plan()
     assert [r.path for r in plan if r.kind == "params"] == leaf_names(est.state_shapes().params)
@@ -244,14 +243,8 @@ def test_the_plan_lists_every_parameter_and_the_first_log_line_states_bytes_per_
     text = str(plan)
     assert "attn/query/kernel" in text and "P('fsdp', 'model')" in text and "per device: params" in text
     est = mlp_estimator(**MLP_LAYOUT)
-    records, handler = [], logging.Handler(logging.INFO)
-    handler.emit = records.append
-    logging.getLogger("estimax").addHandler(handler)  # the estimax logger does not propagate to pytest's
-    try:
-        est.train(ex.data.from_arrays(*blobs(64)), max_steps=1)
-    finally:
-        logging.getLogger("estimax").removeHandler(handler)
-    first = next(r.getMessage() for r in records if r.getMessage().startswith("Training steps"))
+    est.train(ex.data.from_arrays(*blobs(64)), max_steps=1)
+    first = next(line for line in estimax_log.messages if line.startswith("Training steps"))
     assert f"state {layout_lib.format_bytes(est.sharding_plan().totals['total'])} per device" in first
     assert "mesh data=2 x fsdp=2 x model=2" in first
 

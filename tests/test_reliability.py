@@ -489,37 +489,21 @@ class _StopAt(ex.Hook):
         return loop.step_after >= self.step
 
 
-@contextlib.contextmanager
-def _estimax_log():
-    """The estimax log lines written inside the block (its logger need not propagate)."""
-    import logging
-
-    lines, handler = [], logging.Handler(logging.INFO)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("estimax")
-    logger.addHandler(handler)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(handler)
-
-
-def test_a_hooks_stop_takes_effect_at_the_boundary_it_was_asked_at(tmp_path):
+def test_a_hooks_stop_takes_effect_at_the_boundary_it_was_asked_at(tmp_path, estimax_log):
     model_dir = str(tmp_path / "exact")
     hook = _StopAt(10)
     est = estimator(model_dir, steps_per_loop=5)
-    with _estimax_log() as log:
-        est.train(DATA, max_steps=100, hooks=[hook])
+    est.train(DATA, max_steps=100, hooks=[hook])
     assert est.step == 10 and _steps(model_dir) == [10] and hook.seen == [5, 10]
-    assert "Training stopped at step 10: _StopAt.after_loop asked to stop at step 10." in log
-    assert not [line for line in log if "Input ran out" in line]
+    assert "Training stopped at step 10: _StopAt.after_loop asked to stop at step 10." in estimax_log.messages
+    assert "Input ran out" not in estimax_log.text
+    estimax_log.clear()
     # A hook that says it never stops keeps the overlap: a True it returns anyway stops one loop later.
     model_dir = str(tmp_path / "overlapped")
     est = estimator(model_dir, steps_per_loop=5)
-    with _estimax_log() as log:
-        est.train(DATA, max_steps=100, hooks=[_StopAt(10, may_stop=False)])
+    est.train(DATA, max_steps=100, hooks=[_StopAt(10, may_stop=False)])
     assert est.step == 15 and _steps(model_dir) == [15]
-    assert "Training stopped at step 15: _StopAt.after_loop asked to stop at step 10." in log
+    assert "Training stopped at step 15: _StopAt.after_loop asked to stop at step 10." in estimax_log.messages
 
 
 def test_the_profiler_traces_every_loop_with_a_step_of_the_window(tmp_path):

@@ -183,13 +183,9 @@ def test_progress_bar_shows_step_loss_and_throughput(capsys):
     assert 0.25 < smoothed < 0.5  # an exponential moving average of 0.5 then 0.25
 
 
-def test_quiet_hides_train_lines(caplog):
-    import logging
-
-    logging.getLogger("estimax").propagate = True
-    with caplog.at_level("INFO", logger="estimax"):
-        estimator(quiet=True, log_every_steps=4).train(DATA, max_steps=8)
-    assert "train step" not in caplog.text and "Done at step 8" in caplog.text
+def test_quiet_hides_train_lines(estimax_log):
+    estimator(quiet=True, log_every_steps=4).train(DATA, max_steps=8)
+    assert "train step" not in estimax_log.text and "Done at step 8" in estimax_log.text
 
 
 class Losses(Hook):
