@@ -73,9 +73,13 @@ def test_the_lm_step_costs_what_the_transformer_formula_says():
     assert seen.flops_per_step == pytest.approx(per_token * batch * length, rel=0.1)
 
 
-def test_records_carry_tflops_per_device_and_no_mfu_without_a_known_peak(tmp_path):
+def test_records_carry_tflops_per_device_and_no_mfu_without_a_known_peak(tmp_path, estimax_log):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     est = lm.estimator(
-        ex.RunConfig(model_dir=str(tmp_path), train_batch_size=8, steps_per_loop=2, log_every_steps=2, quiet=True),
+        ex.RunConfig(
+            model_dir=str(tmp_path), train_batch_size=8, steps_per_loop=2, log_every_steps=2, tensorboard=True
+        ),
         seq_len=32,
         dim=32,
         num_heads=2,
@@ -88,6 +92,16 @@ def test_records_carry_tflops_per_device_and_no_mfu_without_a_known_peak(tmp_pat
     assert timed and all(r["tflops_per_device"] > 0 and "mfu" not in r for r in timed)
     # The LM declares its tokens per example (its sequence length): tokens/s = examples/s x 32.
     assert all(r["tokens_per_sec"] == pytest.approx(r["examples_per_sec"] * 32) for r in timed)
+    # The same values in TensorBoard, at the log points, and in the train lines.
+    events = EventAccumulator(os.path.join(tmp_path, "tensorboard", "train"))
+    events.Reload()
+    assert "mfu" not in events.Tags()["scalars"]
+    by_step = {e.step: e.value for e in events.Scalars("tflops_per_device")}
+    for record in timed:
+        assert by_step[record["step"]] == pytest.approx(record["tflops_per_device"], rel=1e-6)  # float32 in events
+    timed_lines = {line for line in estimax_log.messages if line.startswith("train step") and "steps/s" in line}
+    assert len(timed_lines) == len(timed)
+    assert all("tflops_per_device" in line and "tokens/s" in line and "mfu" not in line for line in timed_lines)
 
 
 def test_peaks_are_dense_and_mfu_divides_by_them():
