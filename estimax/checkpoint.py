@@ -40,6 +40,7 @@ from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
 logger = logging.getLogger("estimax")
+CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)
 # A step's folder, or the temporary folder Orbax writes a step into before renaming it.
 _UNFINISHED = re.compile(r"(\d+)(\.orbax-checkpoint-tmp.*)?")
 
@@ -310,8 +311,8 @@ def locate(path: str) -> tuple[Checkpointer, int | None]:
     """A read-only view of a checkpoint path: a model_dir (its latest checkpoint),
     its ``checkpoints`` directory, or one step directory ``.../checkpoints/<step>``."""
     path = storage.resolve(path)
-    if storage.isdir(storage.join(path, "checkpoints")):
-        path = storage.join(path, "checkpoints")
+    if storage.isdir(storage.join(path, CHECKPOINTS)):
+        path = storage.join(path, CHECKPOINTS)
     name = storage.name(path)
     if name.isdigit() and storage.isdir(path):
         return Checkpointer(storage.parent(path), read_only=True), int(name)

@@ -10,7 +10,8 @@ A model_dir (a local path, ``file://``, or ``gs://``) holds::
     profile/                jax.profiler traces
     trackers.json           the experiment trackers' run ids
 
-Owns these names, which object reads and writes each, taking the lock around
+Owns these names (``checkpoints`` is spelt in ``checkpoint.py``, which also
+finds it in a model_dir given as a checkpoint path), which object reads and writes each, taking the lock around
 writing (process 0 takes it for the group, the others learn the outcome),
 and refusing, before anything is written, a location that cannot hold a run.
 Every other module asks a ``RunDir`` for a path; none joins one itself.
@@ -27,15 +28,14 @@ import logging
 import jax
 
 from estimax import storage
-from estimax.checkpoint import Checkpointer
+from estimax.checkpoint import CHECKPOINTS, Checkpointer
 from estimax.config import CheckpointPolicy
 from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
 from estimax.lock import lock_for
 
 logger = logging.getLogger("estimax")
 
-CHECKPOINTS, BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
-    "checkpoints",
+BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
     "best",
     "metrics.jsonl",
     "tensorboard",

@@ -140,7 +140,7 @@ class WarmStart:
             with np.load(path, allow_pickle=False) as arrays:
                 return {k.removesuffix("/value"): arrays[k] for k in arrays.files}, None
         local_arrays = not storage.is_url(path) and os.path.isdir(path) and _has_npy(path)
-        if local_arrays and not os.path.isdir(os.path.join(path, "checkpoints")):
+        if local_arrays and not os.path.isdir(os.path.join(path, checkpoint_lib.CHECKPOINTS)):
             arrays = {}
             for root, _, files in os.walk(path):
                 for f in files:
