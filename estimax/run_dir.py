@@ -11,7 +11,8 @@ A model_dir (a local path, ``file://``, or ``gs://``) holds::
     trackers.json           the experiment trackers' run ids
 
 Owns these names (``checkpoints`` is spelt in ``checkpoint.py``, which also
-finds it in a model_dir given as a checkpoint path), which object reads and writes each, taking the lock around
+finds it in a model_dir given as a checkpoint path; ``estimax.lock`` in
+``lock.py``), which object reads and writes each, taking the lock around
 writing (process 0 takes it for the group, the others learn the outcome),
 and refusing, before anything is written, a location that cannot hold a run.
 Every other module asks a ``RunDir`` for a path; none joins one itself.
