@@ -23,9 +23,12 @@ def model_dir(tmp_path):
 
 @pytest.fixture
 def estimax_log(caplog):
-    """The estimax logger's records (it does not propagate once it has its console handler)."""
-    logger = logging.getLogger("estimax")
+    """The estimax logger's records, each once: caught at the logger itself, not by propagation
+    (which the logger stops once it has its console handler)."""
+    logger, propagated = logging.getLogger("estimax"), logging.getLogger("estimax").propagate
+    logger.propagate = False
     logger.addHandler(caplog.handler)
     with caplog.at_level("INFO", logger="estimax"):
         yield caplog
     logger.removeHandler(caplog.handler)
+    logger.propagate = propagated and not logger.handlers  # a console handler added meanwhile stops it

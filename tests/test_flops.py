@@ -99,7 +99,7 @@ def test_records_carry_tflops_per_device_and_no_mfu_without_a_known_peak(tmp_pat
     by_step = {e.step: e.value for e in events.Scalars("tflops_per_device")}
     for record in timed:
         assert by_step[record["step"]] == pytest.approx(record["tflops_per_device"], rel=1e-6)  # float32 in events
-    timed_lines = {line for line in estimax_log.messages if line.startswith("train step") and "steps/s" in line}
+    timed_lines = [line for line in estimax_log.messages if line.startswith("train step") and "steps/s" in line]
     assert len(timed_lines) == len(timed)
     assert all("tflops_per_device" in line and "tokens/s" in line and "mfu" not in line for line in timed_lines)
 
