@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, calls, compile_cache, recording, report, run_record, validation
+from estimax import accumulation, calls, compile_cache, recording, report, resize, run_record, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
@@ -82,8 +82,8 @@ class Estimator:
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
         compile_cache.enable(config.compilation_cache)
-        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer)
         self.mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
+        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer, resize.shape(self.mesh))
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
             self._core = Core(
@@ -262,6 +262,8 @@ class Estimator:
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
+        restored = self._current.restored if self._current.origin == "restored" else None
+        resized = resize.resumed(self._plan, input, restored, self._run_record["shape"], start)
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,
@@ -277,7 +279,11 @@ class Estimator:
         if self._current.loop is not None:
             self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
-        hooks = recording.builtin_hooks(self.config, self._writers(), self.mesh.size) + list(hooks)
+        writers = self._writers()
+        if resized is not None:
+            for writer in writers:
+                writer.write("resize", start, resized)
+        hooks = recording.builtin_hooks(self.config, writers, self.mesh.size) + list(hooks)
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,

@@ -77,9 +77,7 @@ class Plan:
     # -- sizes ------------------------------------------------------------------
     def global_batch(self, mode: Mode) -> int:
         cfg = self.config
-        return {TRAIN: cfg.train_batch_size, EVAL: cfg.global_eval_batch_size}.get(
-            mode, cfg.global_predict_batch_size
-        )
+        return {TRAIN: cfg.train_batch_size, EVAL: cfg.global_eval_batch_size}.get(mode, cfg.global_predict_batch_size)
 
     def host_batch(self, mode: Mode) -> int:
         return self.global_batch(mode) // self.process_count
@@ -282,5 +280,3 @@ def _named_input(batches: Iterator) -> Iterator:
             ) from error
         count += 1
         yield batch
-
-
