@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason=
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
+JOB = os.path.join(TESTS, "ray_job.py")
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 DEVICES = 2  # per worker process
 
@@ -126,9 +127,14 @@ def test_a_ray_run_shrinks_when_a_node_dies_and_grows_when_one_returns(tmp_path)
     nodes = [_node("--head", f"--port={port}", "--num-cpus=1", "--include-dashboard=false", env=env)]
     try:
         nodes.append(_node(f"--address={address}", "--num-cpus=1", env=env))
+        # A global batch that 2 workers of 2 devices cannot split: refused before the first step, said through Ray.
+        refused = Lines([sys.executable, JOB, address, str(tmp_path / "no"), str(tmp_path / "no-out"), "--max-steps",
+                         "4", "--workers", "2:2", "--batch", "22", "--max-failures", "0"], env)  # fmt: skip
+        refused.wait_for(r"^estimax.errors.ConfigError: RunConfig\(train_batch_size=22\) does not divide .*Fix: use 20")
+        assert refused.process.wait(timeout=300) != 0
         # 2 workers hold after step 12 (checkpoint 8 committed), 1 worker after step 20 (checkpoint 16).
-        job = Lines([sys.executable, os.path.join(TESTS, "ray_job.py"), address, run, out, "28", "1", "2",
-                     "2:12", "1:20"], env)  # fmt: skip
+        job = Lines([sys.executable, JOB, address, run, out, "--max-steps", "28", "--workers", "1:2",
+                     "--hold", "2:12", "--hold", "1:20"], env)  # fmt: skip
         nodes.append(job)
         job.wait_for(r"holding at step 12 on 2 workers")
         killed = time.time()
