@@ -27,8 +27,9 @@ def initialize(timeout_seconds: int = 300) -> bool:
     a group of several processes was formed (a group of one needs none).
 
     Call it first in the function given to the trainer (``train_loop_per_worker``), before anything
-    touches devices. When JAX's group already exists (Ray's ``JaxTrainer`` forms it on TPUs), it
-    does nothing. Needs Ray Train v2 (``RAY_TRAIN_V2_ENABLED=1`` before Ray Train is imported).
+    touches devices. When JAX's group already exists (Ray's ``JaxTrainer`` forms it on TPUs and
+    GPUs), it does nothing. Needs Ray Train v2: the default of the releases the ``ray`` extra
+    installs; ``RAY_TRAIN_V2_ENABLED=1`` on older ones.
     """
     import jax
 

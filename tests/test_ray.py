@@ -1,11 +1,11 @@
 """Elastic training on Ray: a run outlives the loss of a node and grows again when one comes back.
 
-A real Ray cluster on 127.0.0.1 (a head that runs no worker, and worker nodes
-of one CPU each, each its own raylet), Ray Train with ``num_workers=(1, 2)``,
-every worker one process of one JAX group (``estimax.ray.initialize``). The
-reference is the same training changing shape at the same steps on purpose,
-without Ray (tests/resize_job.py under ``estimax launch``). Skipped where Ray
-Train is not installed (``pip install 'estimax[ray]'``).
+A real Ray cluster on 127.0.0.1 (a head and one more node, one CPU and one
+raylet each), Ray Train's ``JaxTrainer`` with ``num_workers=(1, 2)``, every
+worker one process of one JAX group (``estimax.ray.initialize``) running
+tests/ray_job.py's training. The reference is the same training changing
+shape at the same steps on purpose, without Ray, in this process (4, 2, then
+4 devices). Skipped where Ray is not installed (``pip install 'estimax[ray]'``).
 """
 
 import importlib.util
@@ -162,3 +162,10 @@ def test_a_ray_run_shrinks_when_a_node_dies_and_grows_when_one_returns(tmp_path)
     assert resumed["step"] == 28
     for name, value in reference.items():
         np.testing.assert_allclose(resumed["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_initialize_outside_a_ray_train_worker_says_where_to_call_it():
+    import estimax.ray
+
+    with pytest.raises(ex.errors.ConfigError, match=r"outside a Ray Train worker .*Fix: call it at the top"):
+        estimax.ray.initialize()
