@@ -138,6 +138,13 @@ class Checkpointer:
             self._manager.reload()
         return self._manager.latest_step()
 
+    def committed_step(self) -> int | None:
+        """The latest step whose save has finished, from memory (no call to the store)."""
+        steps = list(self._manager.all_steps())
+        if steps and not self.read_only and self._manager.is_saving_in_progress():
+            steps.remove(max(steps))
+        return max(steps, default=None)
+
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
         every, seconds = self.policy.every_steps, self.policy.every_seconds

@@ -277,7 +277,7 @@ class Estimator:
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
-            profiler=profiler, sync=self._sync, exact_stops=exact_stops,
+            profiler=profiler, sync=self._sync, exact_stops=exact_stops, fence=self.run_dir.fence,
         )  # fmt: skip
         chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
         stacks = feed.train_stacks(

@@ -24,7 +24,7 @@ from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.data.source import SizedSource
 from estimax.distributed import Sync
-from estimax.errors import ConfigError, NonFiniteError
+from estimax.errors import ConfigError, LeaseLostError, NonFiniteError, StoreUnavailableError
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
@@ -102,10 +102,12 @@ class TrainingLoop:
         profiler: Profiler,
         sync: Sync | None = None,
         exact_stops: bool | None = None,
+        fence: Callable[[], None] = lambda: None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
+        self.fence = fence  # raises once the model_dir's lease is lost: nothing more may be written
         # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
         self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
@@ -175,6 +177,7 @@ class TrainingLoop:
         device's idle seconds before this dispatch) is reported with the next loop read.
         """
         before, step = current.step_before, current.step_after
+        self.fence()
         due, stop = self.checkpointer.due(before, step), False
         with self._saving_on_error(state, current, due):
             if unread is not None:
@@ -223,8 +226,8 @@ class TrainingLoop:
         the checkpoint that was due there: it is saved, then the error goes on."""
         try:
             yield
-        except NonFiniteError:
-            raise  # never save a state that came out of a NaN
+        except (NonFiniteError, LeaseLostError, StoreUnavailableError):
+            raise  # never save a state that came out of a NaN, nor without the lease
         except Exception:
             if due and loop is not None:
                 self._save(state, loop)
@@ -285,6 +288,7 @@ class TrainingLoop:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
+        self.fence()
         self.checkpointer.save(loop.step_after, state, loop.input_state, loop=self.runner.loop)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
@@ -314,6 +318,7 @@ class TrainingLoop:
                     f"Best(metric={evaluation.best_metric!r}) is not among the evaluation's metrics "
                     f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
                 )
+            self.fence()
             evaluation.best.save(loop.step_after, state, loop.input_state, metrics=metrics)
         return stop and not final
 
