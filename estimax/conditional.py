@@ -15,9 +15,18 @@ import json
 from urllib.parse import quote
 
 from fsspec.asyn import sync
+from fsspec.exceptions import FSTimeoutError
 
 from estimax import storage
 from estimax.errors import StorageError
+
+
+def _bounded(loop, function, *args, timeout: float, **kwargs):
+    """``function(*args, **kwargs)`` run on the client's event loop, cancelled after ``timeout`` seconds."""
+    try:
+        return sync(loop, function, *args, timeout=timeout, **kwargs)
+    except FSTimeoutError:
+        raise TimeoutError(f"no answer within {timeout:g} s") from None
 
 
 class Changed(Exception):
@@ -47,7 +56,7 @@ class GCSObject:
 
     def read(self, timeout: float) -> tuple[bytes, str] | None:
         try:
-            headers, content = sync(self.fs.loop, self.fs._call, "GET", self._object, alt="media", timeout=timeout)
+            headers, content = _bounded(self.fs.loop, self.fs._call, "GET", self._object, alt="media", timeout=timeout)
         except FileNotFoundError:
             return None
         return content, headers["x-goog-generation"]
@@ -63,7 +72,7 @@ class GCSObject:
 
     def delete(self, version: str, timeout: float) -> None:
         try:
-            sync(self.fs.loop, self.fs._call, "DELETE", self._object, ifGenerationMatch=version, timeout=timeout)
+            _bounded(self.fs.loop, self.fs._call, "DELETE", self._object, ifGenerationMatch=version, timeout=timeout)
         except (FileExistsError, FileNotFoundError):  # gcsfs raises FileExistsError for 412
             raise Changed from None
 
@@ -79,7 +88,7 @@ class GCSObject:
             + b"\n--==0==--"
         )
         try:
-            result = sync(
+            result = _bounded(
                 self.fs.loop, self.fs._call, "POST",
                 f"{self.fs._location}/upload/storage/v1/b/{quote(self.bucket)}/o",
                 uploadType="multipart", ifGenerationMatch=generation, data=body, json_out=True,
@@ -104,7 +113,7 @@ class S3Object:
                 return await body.read(), response["ETag"]
 
         try:
-            return sync(self.fs.loop, get, timeout=timeout)
+            return _bounded(self.fs.loop, get, timeout=timeout)
         except FileNotFoundError:
             return None
 
@@ -122,7 +131,7 @@ class S3Object:
 
     def _call(self, method: str, timeout: float, **kwargs) -> dict:
         try:
-            return sync(
+            return _bounded(
                 self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, timeout=timeout, **kwargs
             )
         except (FileExistsError, FileNotFoundError):  # If-None-Match failed; If-Match on a deleted object

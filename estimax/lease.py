@@ -116,7 +116,7 @@ class LeaseLock:
             except Changed:
                 continue  # another process changed it in between: look again
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
-                self._retry_or_fail("taking the lock", began, error, resume="nothing was written; run the same "
+                self._retry_or_fail("taking the lock", began, error, fix="nothing was written; run the same "
                                     "command again once the store answers")  # fmt: skip
 
     def _try_take(self) -> bool:
@@ -145,7 +145,7 @@ class LeaseLock:
         logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
         return True
 
-    def _retry_or_fail(self, operation: str, began: float, error: BaseException, resume: str) -> None:
+    def _retry_or_fail(self, operation: str, began: float, error: BaseException, fix: str) -> None:
         """Returns after a pause when the store did not answer and the deadline allows another try;
         raises otherwise."""
         if isinstance(error, ModelDirLockedError | StorageError):
@@ -158,7 +158,7 @@ class LeaseLock:
             raise StoreUnavailableError(
                 f"{self.path}: {operation}: the store did not answer for {waited:.0f} s "
                 f"({first_line(error)}); expected a store that answers within {self.deadline_seconds:g} s "
-                f"({DEADLINE_SECONDS}). Fix: {resume}."
+                f"({DEADLINE_SECONDS}). Fix: {fix}."
             ) from None
         logger.warning(
             "%s: %s: the store did not answer (%s); trying again for another %.0f s.",
@@ -232,6 +232,9 @@ class LeaseLock:
             f"Fix: {self._resume()} with the same command once the store answers."
         )
 
+    def _expires(self) -> str:
+        return f"none needed: the next run takes the lock over once its lease expires ({self.lease_seconds:g} s)"
+
     def _resume(self) -> str:
         step = self.committed_step()
         return "no checkpoint was saved: training starts over" if step is None else f"resume from step {step}"
@@ -288,12 +291,9 @@ class LeaseLock:
                 return
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
                 try:
-                    self._retry_or_fail("releasing the lock", began, error, resume="nothing")
-                except Exception as failure:  # noqa: BLE001
-                    logger.warning(
-                        "%s was not released: %s The next run takes it over once its lease expires (%g s).",
-                        self.path, " ".join(str(failure).split()), self.lease_seconds,
-                    )  # fmt: skip
+                    self._retry_or_fail("releasing the lock", began, error, fix=self._expires())
+                except Exception as failure:  # noqa: BLE001 - a warning: the error in flight is the one to report
+                    logger.warning("%s", " ".join(str(failure).split()))
                     return
 
     def __enter__(self) -> LeaseLock:
