@@ -14,9 +14,10 @@ the start of its last renewal that succeeded, ``L/4`` before anyone else may
 take the lease over. A process paused past that point (SIGSTOP, a long GC, a
 frozen VM) writes nothing more until a renewal proves that nobody took the
 lease meanwhile; if somebody did, ``check()`` raises ``LeaseLostError`` naming
-it, and if the store does not answer, ``StoreUnavailableError``. When the
-process is still running ``L/4`` after that verdict (blocked in a write to a
-store that does not answer), the lease ends it: one line and exit code 74.
+it, and if the store does not answer (also to a second try when the renewal
+under way was cut off), ``StoreUnavailableError``. When the process is still
+running ``L/4`` after that verdict (blocked in a write to a store that does not
+answer), the lease ends it: one line and exit code 74.
 
 Taking and releasing the lock retry for ``deadline_seconds``, with a warning
 per retry. A lock object that holds no lease record is reported with what it
@@ -184,11 +185,15 @@ class LeaseLock:
             except Changed:
                 return self._lose(self._taken_over())
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
-                if time.monotonic() < self._proven_until and unanswered(error):
+                left = self._proven_until - time.monotonic()
+                if unanswered(error) and left > 0:
                     logger.warning("%s: renewing the lease: the store did not answer (%s); trying again for "
                                    "another %.0f s before this process stops writing.", self.path,
-                                   first_line(error), self._proven_until - time.monotonic())  # fmt: skip
+                                   first_line(error), left)  # fmt: skip
                     pause = min(1.0, self._call_seconds)
+                    continue
+                if unanswered(error) and started < self._proven_until:
+                    pause = 0.0  # a call begun in time, cut off (perhaps frozen mid-call): once more, now
                     continue
                 return self._lose(self._unreachable(error))
             with self._changed:
@@ -246,13 +251,13 @@ class LeaseLock:
     def check(self) -> None:
         """Returns while this process provably holds the lease (or holds none: a reader); raises
         ``LeaseLostError`` or ``StoreUnavailableError`` once it cannot prove it. Past its proof (it
-        was paused) it waits for the renewal thread's verdict, at most one call to the store."""
+        was paused) it waits for the renewal thread's verdict, at most two calls to the store."""
         if not self.held:
             return
         with self._changed:
             if self._lost is None and time.monotonic() >= self._proven_until:
                 self._changed.wait_for(
-                    lambda: self._lost is not None or time.monotonic() < self._proven_until, self._call_seconds + 1
+                    lambda: self._lost is not None or time.monotonic() < self._proven_until, 2 * self._call_seconds + 1
                 )
             lost = self._lost
             if lost is None and time.monotonic() >= self._proven_until:
