@@ -115,10 +115,17 @@ class LeaseLock:
                 if self._try_take():
                     return self
             except Changed:
-                continue  # another process changed it in between: look again
+                pass  # another process changed it in between: look again
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
                 self._retry_or_fail("taking the lock", began, error, fix="nothing was written; run the same "
                                     "command again once the store answers")  # fmt: skip
+                continue
+            if time.monotonic() - began > self.deadline_seconds:
+                raise ModelDirLockedError(
+                    f"model_dir {self.model_dir}: other processes kept taking and releasing the lock {self.path} "
+                    f"for {self.deadline_seconds:g} s ({DEADLINE_SECONDS}); expected one writer per model_dir. "
+                    "Fix: stop the others, or use another model_dir."
+                )
 
     def _try_take(self) -> bool:
         started = time.monotonic()
