@@ -24,6 +24,10 @@ class InputError(EstimaxError, ValueError):
     """An input source or batch that does not fit (shapes, sizes, corrupt records)."""
 
 
+class InputKindError(InputError, TypeError):
+    """An input of a kind that cannot serve this use (epochs of an input of unknown size, ...)."""
+
+
 class ModelFnError(EstimaxError, ValueError):
     """The model_fn failed on the input it received."""
 
@@ -89,6 +93,12 @@ class ServingError(EstimaxError, ValueError):
 
 class ArtifactError(ServingError):
     """An exported model that cannot be loaded: missing, truncated or altered files."""
+
+
+def one_line(error: BaseException) -> str:
+    """``"KeyError: 'x'"``: an error as a message quotes it, on one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 ModelDirLocked = ModelDirLockedError
