@@ -44,6 +44,7 @@ from estimax.errors import (
     ModelDirLockedError,
     StorageError,
     StoreUnavailableError,
+    one_line,
 )
 from estimax.lock import LOCK_FILE, describe, holder_record, is_stale
 
@@ -161,16 +162,16 @@ class LeaseLock:
         waited = time.monotonic() - began
         if not unanswered(error):
             storage.check_store(self.model_dir, write=True)  # names a missing bucket, credentials, permission
-            raise StorageError(f"{self.path}: {operation} failed: {first_line(error)}") from None
+            raise StorageError(f"{self.path}: {operation} failed: {one_line(error)}") from None
         if waited >= self.deadline_seconds:
             raise StoreUnavailableError(
                 f"{self.path}: {operation}: the store did not answer for {waited:.0f} s "
-                f"({first_line(error)}); expected a store that answers within {self.deadline_seconds:g} s "
+                f"({one_line(error)}); expected a store that answers within {self.deadline_seconds:g} s "
                 f"({DEADLINE_SECONDS}). Fix: {fix}."
             ) from None
         logger.warning(
             "%s: %s: the store did not answer (%s); trying again for another %.0f s.",
-            self.path, operation, first_line(error), self.deadline_seconds - waited,
+            self.path, operation, one_line(error), self.deadline_seconds - waited,
         )  # fmt: skip
         time.sleep(min(self._call_seconds, self.deadline_seconds - waited))
 
@@ -196,7 +197,7 @@ class LeaseLock:
                 if unanswered(error) and left > 0:
                     logger.warning("%s: renewing the lease: the store did not answer (%s); trying again for "
                                    "another %.0f s before this process stops writing.", self.path,
-                                   first_line(error), left)  # fmt: skip
+                                   one_line(error), left)  # fmt: skip
                     pause = min(1.0, self._call_seconds)
                     continue
                 if unanswered(error) and started < self._proven_until:
@@ -228,7 +229,7 @@ class LeaseLock:
             found = self._object.read(self._call_seconds)
             taker = describe(parse(found[0], self.path)) if found else "nobody holds it now (it was deleted)"
         except Exception as error:  # noqa: BLE001 - the loss is what matters; who took it is a detail
-            taker = f"unknown (reading the lock failed: {first_line(error)})"
+            taker = f"unknown (reading the lock failed: {one_line(error)})"
         return LeaseLostError(
             f"model_dir {self.model_dir}: another process took over the lock {self.path} while this one held it "
             f"(this one was paused or cut off for longer than the {self.lease_seconds:g} s lease): {taker}. This "
@@ -239,7 +240,7 @@ class LeaseLock:
     def _unreachable(self, error: BaseException) -> StoreUnavailableError:
         waited = time.monotonic() - (self._proven_until - 0.75 * self.lease_seconds)
         return StoreUnavailableError(
-            f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({first_line(error)}); "
+            f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({one_line(error)}); "
             f"this process stopped writing before its {self.lease_seconds:g} s lease could expire. "
             f"Fix: {self._resume()} with the same command once the store answers."
         )
@@ -348,8 +349,3 @@ def unanswered(error: BaseException) -> bool:
     if isinstance(error, ConnectionError | TimeoutError) or names & (_UNANSWERED - {"HttpError"}):
         return True
     return "HttpError" in names and (getattr(error, "code", 500) or 500) >= 500
-
-
-def first_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or "no message"
-    return f"{type(error).__name__}: {text[:200]}"
