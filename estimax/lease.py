@@ -104,6 +104,11 @@ class LeaseLock:
     def _call_seconds(self) -> float:
         return self.lease_seconds / 4
 
+    @property
+    def _writable_seconds(self) -> float:
+        """How long after a renewal's start this process may write: ``L/4`` before the lease could expire."""
+        return 0.75 * self.lease_seconds
+
     # -- taking ------------------------------------------------------------------
     def acquire(self) -> LeaseLock:
         if self.held:
@@ -177,7 +182,7 @@ class LeaseLock:
 
     # -- keeping -----------------------------------------------------------------
     def _hold(self, version: str, started: float) -> None:
-        self._version, self._proven_until, self._lost = version, started + 0.75 * self.lease_seconds, None
+        self._version, self._proven_until, self._lost = version, started + self._writable_seconds, None
         self.held = True
         self._stop.clear()
         self._keeper = threading.Thread(target=self._keep, name="estimax-lease", daemon=True)
@@ -211,7 +216,7 @@ class LeaseLock:
                         "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
                         self.path, started - self._proven_until,
                     )  # fmt: skip
-                self._version, self._proven_until = version, started + 0.75 * self.lease_seconds
+                self._version, self._proven_until = version, started + self._writable_seconds
                 self._changed.notify_all()
             pause = self._call_seconds
 
@@ -238,7 +243,7 @@ class LeaseLock:
         )
 
     def _unreachable(self, error: BaseException) -> StoreUnavailableError:
-        waited = time.monotonic() - (self._proven_until - 0.75 * self.lease_seconds)
+        waited = time.monotonic() - (self._proven_until - self._writable_seconds)
         return StoreUnavailableError(
             f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({one_line(error)}); "
             f"this process stopped writing before its {self.lease_seconds:g} s lease could expire. "
