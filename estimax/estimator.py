@@ -273,7 +273,7 @@ class Estimator:
         if self._current.loop is not None:
             self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
-        hooks = recording.builtin_hooks(self.config, self._writers(), self.mesh.size) + list(hooks)
+        hooks = recording.builtin_hooks(self.config, self._writers(continuing_from=start), self.mesh.size) + list(hooks)
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
@@ -296,8 +296,8 @@ class Estimator:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
         return loop
 
-    def _writers(self, files: bool = True) -> list:
-        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files)
+    def _writers(self, files: bool = True, continuing_from: int | None = None) -> list:
+        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files, continuing_from)
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time
