@@ -50,7 +50,7 @@ def file_version(wall_time: float | None = None) -> bytes:
 def session_start(step: int, wall_time: float | None = None) -> bytes:
     """A ``SessionLog.START`` event at ``step``: TensorBoard's readers drop the events at ``step`` and after
     that they read before it (a run that died past its last checkpoint), and keep reading this run's.
-    The first one of a run's files is its start, not a restart (``plugin_event_accumulator``)."""
+    TensorBoard's server takes a logdir's first one for its start, not a restart: every run writes one."""
     wall_time = time.time() if wall_time is None else wall_time
     start = _length_delimited(_SESSION_LOG, _STATUS_START)
     return frame(_WALL_TIME + struct.pack("<d", wall_time) + _STEP + _varint(step) + start)

@@ -50,7 +50,7 @@ class JsonlWriter:
         self.path = path
         self.continuing_from = continuing_from
         self._on_store = storage.is_url(path)
-        self._lines: list[str] | None = None  # what the file held, then (on a store) this run's records
+        self._lines: list[str] | None = None  # on a store: what the object held, then this run's records
         self._unflushed = False
         self._flushed = time.monotonic()
 
@@ -69,7 +69,8 @@ class JsonlWriter:
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if self._lines is None:
-            self._lines = [self._open()]
+            held = self._open()
+            self._lines = [held] if self._on_store else []
         line = json.dumps({"split": split, "step": step, **values}) + "\n"
         if not self._on_store:
             storage.makedirs(storage.parent(self.path))
