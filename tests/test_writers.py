@@ -105,10 +105,7 @@ est.train(ex.data.from_arrays(*blobs(256)), max_steps=100, hooks=[StandStillAt14
 
 
 def _records(model_dir):
-    path = storage.join(model_dir, "metrics.jsonl")
-    if not storage.exists(path):
-        return []
-    with fsspec.open(path) as f:  # a plain line reader, as a user's
+    with fsspec.open(storage.join(model_dir, "metrics.jsonl")) as f:  # a plain line reader, as a user's
         return [json.loads(line) for line in f]
 
 
@@ -117,6 +114,13 @@ def _event_steps(model_dir):
 
     logdir = storage.join(model_dir, "tensorboard", "train")
     return [e.step for name in storage.listdir(logdir) for e in EventFileLoader(storage.join(logdir, name)).Load()]
+
+
+def _written(model_dir, step):
+    """Whether metrics.jsonl and TensorBoard hold ``step`` (a line still being written is not parsed)."""
+    metrics = storage.join(model_dir, "metrics.jsonl")
+    in_metrics = storage.exists(metrics) and f'"step": {step},'.encode() in storage.read_bytes(metrics)
+    return in_metrics and step in _event_steps(model_dir)
 
 
 def _scalars(logdir, tag):
@@ -143,9 +147,9 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
         model_dir = f"gs://bkt/history-{tmp_path.name}"
     logdir = storage.join(model_dir, "tensorboard", "train")
     process = _start([sys.executable, "-c", PAST_CHECKPOINT, model_dir], ready="past the checkpoint")
-    while max([r["step"] for r in _records(model_dir)] or [0]) < 14 or max(_event_steps(model_dir) or [0]) < 14:
+    while not _written(model_dir, 14):  # the writers' threads reach their files
         assert process.poll() is None
-        time.sleep(0.05)  # the writers' threads reach their files
+        time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
     killed = _records(model_dir)
