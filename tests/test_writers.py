@@ -82,8 +82,8 @@ def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
         assert [json.loads(line)["step"] for line in f] == [1, 2]
 
 
-# Trains past its checkpoint of step 8 and stands still at step 14 until killed; every record reaches
-# its file at once (the flush intervals are the test's short deadlines).
+# Trains past its checkpoint of step 8, evaluating every 4 steps, and stands still at step 14 until
+# killed; every record reaches its file at once (the flush intervals are the test's short deadlines).
 PAST_CHECKPOINT = """
 import sys, threading
 from models import blobs, estimator
@@ -100,7 +100,8 @@ class StandStillAt14(ex.Hook):
             threading.Event().wait()
 
 est = estimator(sys.argv[1], steps_per_loop=2, log_every_steps=2, save_every_steps=8, tensorboard=True)
-est.train(ex.data.from_arrays(*blobs(256)), max_steps=100, hooks=[StandStillAt14()])
+data = ex.data.from_arrays(*blobs(256))
+est.train_and_evaluate(data, data, max_steps=100, eval_every_steps=4, hooks=[StandStillAt14()])
 """
 
 
@@ -138,9 +139,9 @@ def _scalars(logdir, tag):
 
 @pytest.mark.parametrize("store", ["disk", "gs"])
 def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_path, request):
-    """SIGKILL once metrics.jsonl and TensorBoard hold steps 10-14, past the checkpoint of step 8; the resumed
-    run's records read as one history, each step once and in order, and steps 1-14 hold the values the killed
-    run (uninterrupted until then) wrote for them."""
+    """SIGKILL once metrics.jsonl and TensorBoard hold steps 10-14 (an evaluation at 12), past the checkpoint
+    of step 8; the resumed run (training only) reads as one history, each step once and in order, steps 1-14
+    with the values the killed run (uninterrupted until then) wrote, and no evaluation past step 8."""
     model_dir = str(tmp_path / "run")
     if store == "gs":
         request.getfixturevalue("gcs")
@@ -152,8 +153,9 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
         time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.wait()
-    killed = _records(model_dir)
+    killed = [r for r in _records(model_dir) if r["split"] == "train"]
     assert [r["step"] for r in killed] == list(range(2, 15, 2))
+    assert [r["step"] for r in _records(model_dir) if r["split"] == "eval"] == [4, 8, 12]
     killed_events, _ = _scalars(logdir, "loss")
     assert [step for step, _ in killed_events] == list(range(1, 15))
 
@@ -162,8 +164,19 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
     resumed.train(ex.data.from_arrays(*blobs(256)), max_steps=20)
 
     records = _records(model_dir)
-    assert [(r["split"], r["step"]) for r in records] == [("train", s) for s in range(2, 21, 2)] + [("summary", 20)]
-    assert [r["loss"] for r in records[:7]] == [r["loss"] for r in killed]
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(2, 21, 2))
+    assert [r["loss"] for r in train[:7]] == [r["loss"] for r in killed]
+    assert [(r["split"], r["step"]) for r in records if r["split"] != "train"] == [
+        ("eval", 4),
+        ("eval", 8),
+        ("summary", 20),
+    ]
+    evaluations = [
+        [step for step, _ in steps] for steps in _scalars(storage.join(model_dir, "tensorboard", "eval"), "loss")
+    ]
+    assert evaluations == [[4, 8], [4, 8]]  # the run that resumed wrote no evaluation: its start event dropped 12
     legacy, plugin = _scalars(logdir, "loss")
     assert [step for step, _ in legacy] == [step for step, _ in plugin] == list(range(1, 21))
     assert legacy[:14] == killed_events and plugin[:14] == killed_events
