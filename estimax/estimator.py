@@ -279,7 +279,7 @@ class Estimator:
         if self._current.loop is not None:
             self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
-        writers = self._writers()
+        writers = self._writers(continuing_from=start)
         if resized is not None:
             for writer in writers:
                 writer.write("resize", start, resized)
@@ -302,8 +302,8 @@ class Estimator:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
         return loop
 
-    def _writers(self, files: bool = True) -> list:
-        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files)
+    def _writers(self, files: bool = True, continuing_from: int | None = None) -> list:
+        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files, continuing_from)
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time

@@ -94,15 +94,18 @@ class RunDir:
             self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
         )
 
-    def file_writers(self, tensorboard: bool) -> list:
-        """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own."""
+    def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
+        """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own.
+        ``continuing_from``: the step training starts from; the records a dead run left past it are
+        dropped (``writers.py``), so that the records read as one history."""
         from estimax.writer_thread import InBackground
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
         writable = self.lock.writable  # nothing is written once the lease is lost
-        writers: list = [InBackground(JsonlWriter(self.path(METRICS)), self.path(METRICS), writable)]
+        metrics, events = self.path(METRICS), self.path(TENSORBOARD)
+        writers: list = [InBackground(JsonlWriter(metrics, continuing_from), metrics, writable)]
         if tensorboard:
-            writers.append(InBackground(TensorBoardWriter(self.path(TENSORBOARD)), self.path(TENSORBOARD), writable))
+            writers.append(InBackground(TensorBoardWriter(events, continuing_from), events, writable))
         return writers
 
     def fence(self) -> None:
@@ -214,7 +217,7 @@ class NoRunDir:
     def best(self, metric: str, direction: str) -> None:
         return None
 
-    def file_writers(self, tensorboard: bool) -> list:
+    def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
         return []
 
     def fence(self) -> None:

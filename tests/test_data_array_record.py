@@ -141,8 +141,7 @@ def test_grain_worker_processes_read_the_same_batches(tmp_path):
         np.testing.assert_array_equal(got[0]["x"], want[0]["x"])
 
 
-def test_gs_files_are_read_by_the_format_reader(gcs, monkeypatch):
-    monkeypatch.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", gcs.url)  # the ArrayRecord reader's emulator variable
+def test_gs_files_are_read_by_the_format_reader(gcs):
     for k in range(2):
         ex.data.array_record.write(f"gs://bkt/ar/part-{k}.array_record", [{"id": 10 * k + i} for i in range(3)])
     pattern = "gs://bkt/ar/part-*.array_record"

@@ -4,6 +4,8 @@ stores that cannot hold checkpoints refused before anything is written, and path
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import fsspec
@@ -211,6 +213,57 @@ def test_tfrecord_data_in_a_bucket_trains_like_the_same_arrays(gcs):
     assert from_bucket.step == on_disk.step == 8
     results = from_bucket.evaluate(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"))
     assert results["num_examples"] == 256
+
+
+# A TensorFlow that etils finds importable; any use of it is written to $TENSORFLOW_USES and fails.
+FAKE_TENSORFLOW = """
+import os
+
+def __getattr__(name):
+    with open(os.environ["TENSORFLOW_USES"], "a") as f:
+        f.write(name + "\\n")
+    raise AttributeError(f"fake tensorflow: {name}")
+"""
+# What estimax sets or derives; the child starts without them, as a user's shell would.
+DERIVED = ("EPATH_USE_TF", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+# ArrayRecord files in the bucket, trained from with a checkpoint there, which a new Estimator restores.
+WITH_TENSORFLOW = """
+import numpy as np
+from models import blobs, estimator
+import estimax as ex
+
+features, labels = blobs(64)
+examples = [{"x": features["x"][i], "y": int(labels[i])} for i in range(64)]
+ex.data.array_record.write("gs://bkt/tf-present/data.array_record", examples)
+spec = {"x": ex.data.array_record.Feature(np.float32, (6,)), "y": ex.data.array_record.Feature(np.int64)}
+data = lambda: ex.data.array_record("gs://bkt/tf-present/data.array_record", spec, label="y")
+estimator("gs://bkt/tf-present/run", quiet=True).train(data(), max_steps=8)
+print("restored step", estimator("gs://bkt/tf-present/run").step, flush=True)
+"""
+
+
+def test_gs_goes_through_one_client_with_tensorflow_importable(gcs, tmp_path):
+    """With TensorFlow importable, etils.epath (Orbax's paths) would choose tf.io.gfile for gs://; estimax keeps
+    it on gcsfs, and STORAGE_EMULATOR_HOST alone points TensorStore and ArrayRecord's reader at the emulator."""
+    fake = tmp_path / "fake" / "tensorflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_TENSORFLOW)
+    uses = tmp_path / "tensorflow-uses"
+    env = {k: v for k, v in os.environ.items() if k not in (*DERIVED, "XLA_FLAGS")}  # one device is enough
+    env.update(
+        STORAGE_EMULATOR_HOST=gcs.url,
+        TENSORFLOW_USES=str(uses),
+        PYTHONPATH=os.pathsep.join([str(fake.parent), os.path.dirname(__file__), env.get("PYTHONPATH", "")]),
+    )
+    run = subprocess.run([sys.executable, "-c", WITH_TENSORFLOW], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "restored step 8" in run.stdout, run.stdout + run.stderr
+    assert not uses.exists(), uses.read_text()  # TensorFlow was never asked for anything
+    assert "checkpoints/8/" in " ".join(bucket_names("gs://bkt/tf-present/run"))
+
+    # The same fake is reached when a user asks etils for TensorFlow: the check above can fail.
+    asked = "from etils import epath; epath.Path('gs://bkt/tf-present').exists()"
+    subprocess.run([sys.executable, "-c", asked], env={**env, "EPATH_USE_TF": "true"}, capture_output=True)
+    assert uses.read_text().split() == ["io"]
 
 
 def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, tmp_path):

@@ -1,13 +1,14 @@
 """ArrayRecord files of ``tf.train.Example``: the format Grain, TFDS and MaxText read.
 
 Owns opening ArrayRecord files with the format's own reader (local files and
-``gs://``; files on other fsspec stores are copied to a local directory
-first, since the reader opens nothing else), counting and reading their
-records by position, a writer, and the ``array_record`` source: a Grain
-``MapDataset`` over every record of the files, parsed by the same ``Feature``
-spec as TFRecord files (``tfrecord.Parser``). Errors name the file and the
-record. Does not own the ``tf.train.Example`` message nor the epochs,
-shuffling and per-process shards (``tfrecord``, ``grain.MapSource``).
+``gs://``, at the GCS emulator ``STORAGE_EMULATOR_HOST`` names, if any; files
+on other fsspec stores are copied to a local directory first, since the reader
+opens nothing else), counting and reading their records by position, a
+writer, and the ``array_record`` source: a Grain ``MapDataset`` over every
+record of the files, parsed by the same ``Feature`` spec as TFRecord files
+(``tfrecord.Parser``). Errors name the file and the record. Does not own the
+``tf.train.Example`` message nor the epochs, shuffling and per-process shards
+(``tfrecord``, ``grain.MapSource``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def _status(reader) -> str:
 
 def open_reader(name: str, path: str):
     """A reader of the ArrayRecord file ``path`` (shown as ``name``); an unreadable file is an error."""
+    if storage.scheme(path) == "gs":
+        storage.use_one_client()  # the reader's own GCS client reads its own emulator variable
     reader = _module().ArrayRecordReader(path, READ_OPTIONS)
     if not reader.ok():
         access = " that Google credentials on this machine may read" if storage.scheme(path) == "gs" else ""
