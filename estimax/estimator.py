@@ -263,7 +263,9 @@ class Estimator:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
         restored = self._current.restored if self._current.origin == "restored" else None
-        resized = resize.resumed(self._plan, input, restored, self._run_record["shape"], start)
+        resized = resize.resumed(
+            self._plan, input, restored, self._run_record["shape"], start, self.run_dir.last_train_step
+        )
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,

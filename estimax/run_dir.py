@@ -24,6 +24,7 @@ holds (``checkpoint.py``) nor what a record says (``report.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 
 import jax
@@ -107,6 +108,15 @@ class RunDir:
         if tensorboard:
             writers.append(InBackground(TensorBoardWriter(events, continuing_from), events, writable))
         return writers
+
+    def last_train_step(self) -> int | None:
+        """The last step ``metrics.jsonl`` has a train record of (a run that died may have gone past
+        its last checkpoint); ``None`` without one."""
+        path = self.path(METRICS)
+        if not storage.exists(path):
+            return None
+        steps = [r.get("step") for r in map(_record, storage.read_bytes(path).decode().splitlines())]
+        return max((s for s in steps if isinstance(s, int)), default=None)
 
     def fence(self) -> None:
         """Raises once this process cannot prove it still holds the model_dir's lease (``lease.py``):
@@ -220,6 +230,9 @@ class NoRunDir:
     def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
         return []
 
+    def last_train_step(self) -> None:
+        return None
+
     def fence(self) -> None:
         pass  # no lock to lose
 
@@ -248,3 +261,12 @@ def check_supported(url: str) -> None:
         f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths and "
         "gs://). Expected a local path or gs://. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
     )
+
+
+def _record(line: str) -> dict:
+    """A train record of ``metrics.jsonl``, else ``{}`` (another split, or a line cut short)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) and record.get("split") == "train" else {}
