@@ -179,13 +179,14 @@ def peek(input) -> tuple:
     """
     checks.check_source(input)
     if isinstance(input, Source):
-        return first_eval_batch(input, 1), input
-    if not isinstance(input, Iterable):
+        first = first_eval_batch(input, 1)
+    elif isinstance(input, Iterable):
+        batches = iter(input)
+        first = next(batches, None)
+        if batches is input and first is not None:
+            input = itertools.chain([first], batches)
+    else:
         return None, input
-    batches = iter(input)
-    first = next(batches, None)
-    if batches is input and first is not None:
-        input = itertools.chain([first], batches)
     if not (isinstance(first, tuple) and len(first) == 2):
         return None, input
     checks.describe(first)  # text or ragged arrays: the input's own error, not a tracing one
