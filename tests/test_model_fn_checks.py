@@ -49,6 +49,10 @@ def test_a_mean_loss_is_refused_before_training_wherever_evaluation_pads(model_d
     batches = [({"x": features["x"][:32]}, labels[:32])]
     with pytest.raises(ex.ModelFnError, match=r"an input of unknown length \(list\) may end in a short batch"):
         est.evaluate(batches)
+    per_example = _estimator(model_dir=model_dir)  # a metric name that does not exist, with plain iterables
+    with pytest.raises(ValueError, match=r"Best\(metric='acc'\): not among the evaluation's metrics"):
+        per_example.train_and_evaluate(iter(batches * 8), batches, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
+    assert not os.path.exists(model_dir)
     with pytest.raises(ex.ModelFnError, match=r"its 100 examples in batches of 32"):
         est.evaluate(padded)  # at the start: not after evaluating every batch
 
