@@ -336,6 +336,7 @@ class Estimator:
     ) -> dict[str, metrics_lib.Metric]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
+        input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         return self._evaluator.states(input, state, steps=steps)[0]
 

@@ -233,19 +233,20 @@ class NoRunDir:
         yield True  # nothing to lock: trackers may still record
 
 
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")  # $NAME or ${NAME}, as os.path.expandvars reads them
+
+
 def check_variables_set(model_dir) -> None:
     """Refuses a model_dir that names an environment variable that is not set (``$RUNS/x`` would
     otherwise be a folder literally named ``$RUNS``); set ones are expanded (``storage.expand``)."""
-    unset = sorted({m[1] or m[2] for m in _VARIABLE.finditer(os.fspath(model_dir)) if (m[1] or m[2]) not in os.environ})
+    names = {match[1] or match[2] for match in _VARIABLE.finditer(os.fspath(model_dir))}
+    unset = sorted(name for name in names if name not in os.environ)
     if unset:
-        names = ", ".join(f"${name}" for name in unset)
         raise ConfigError(
-            f"RunConfig(model_dir={os.fspath(model_dir)!r}) refers to {names}, not set in this environment; "
-            f"expected a path whose variables are all set. Fix: export {unset[0]}=..., or write the path out."
+            f"RunConfig(model_dir={os.fspath(model_dir)!r}) refers to {', '.join('$' + n for n in unset)}, not set "
+            f"in this environment; expected a path whose variables are all set. Fix: export {unset[0]}=..., or "
+            "write the path out."
         )
-
-
-_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")  # $NAME or ${NAME}, as os.path.expandvars reads them
 
 
 def check_not_below_file(url: str) -> None:
