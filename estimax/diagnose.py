@@ -98,4 +98,4 @@ def _dtype(x) -> str:
 
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(":. ")  # the message goes on after it
