@@ -118,10 +118,9 @@ class ModeChecks:
 
     Each trace is a ``jax.eval_shape`` on the shapes of the first batch of the call's own input,
     with the global batch of that mode (``plan.global_batch``): nothing is compiled, allocated or
-    evaluated. What the
-    model_fn raises is retold by ``diagnose.py`` (a ``ModelFnError``); what it returns is checked
-    by ``step.check_spec``. Each method returns the input to use from then on: an iterator whose
-    first batch was read has it put back.
+    evaluated. What the model_fn raises is retold by ``diagnose.py`` (a ``ModelFnError``); what it
+    returns is checked by ``step.check_spec``. Each method returns the input to use from then on:
+    an iterator whose first batch was read has it put back.
     """
 
     def __init__(self, core, abstract_state, plan):
