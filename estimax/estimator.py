@@ -109,6 +109,7 @@ class Estimator:
         self._param_names = leaf_names(self._abstract_state.params)
         accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
+        self._checks = validation.ModeChecks(self._core, self._abstract_state, self._plan)
         self._evaluator = Evaluator(self._core, self.layout, self._plan, config.quiet)
         report.ensure_console()
 
@@ -188,6 +189,7 @@ class Estimator:
         finishes the same number of epochs); it needs an input of known size.
         ``hooks`` run on the host after every loop (``estimax.hooks.Hook``).
         """
+        input = self._checks.train(input)
         self._train(input, (max_steps, steps, epochs), hooks)
         return self
 
@@ -229,10 +231,8 @@ class Estimator:
         hooks = validation.check_hooks(hooks)
         if best is not None and best.patience is not None:
             hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
-        validation.check_eval_metrics_exist(
-            self._core, self._abstract_state, self.mesh, self.config.global_eval_batch_size, (eval_input, train_input),
-            validation.metrics_used(hooks, best),
-        )  # fmt: skip
+        train_input = self._checks.train(train_input)
+        eval_input = self._checks.evaluate(eval_input, validation.metrics_used(hooks, best))
         keep = best is not None and best.keep_checkpoint
         evaluation = Evaluation(
             run=lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop),
@@ -326,6 +326,7 @@ class Estimator:
         ``host_metrics``: this call's, instead of the Estimator's.
         """
         host_metrics_lib.check(host_metrics)
+        input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
         recording.record_evaluation(self.run_dir, self._writers, int(jax.device_get(state.step)), results)
@@ -337,6 +338,7 @@ class Estimator:
     ) -> dict[str, metrics_lib.Metric]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
+        input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         return self._evaluator.states(input, state, steps=steps)[0]
 
@@ -356,6 +358,7 @@ class Estimator:
         and Grain ``MapDataset`` inputs have. ``checkpoint``: a step of
         model_dir or a checkpoint path; default: the current state.
         """
+        input = self._checks.predict(input)
         state = self._at(checkpoint, "predict")
         return self._evaluator.predict(input, state, gather)
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
+import re
 
 import jax
 
@@ -61,8 +63,10 @@ class RunDir:
     """The files of one run under ``url``; read-only until ``writing()``."""
 
     def __init__(self, model_dir, policy: CheckpointPolicy, run_meta: dict | None = None):
+        check_variables_set(model_dir)
         self.url = storage.resolve(model_dir)
         check_supported(self.url)
+        check_not_below_file(self.url)
         self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True)
         self.checkpoints.run_meta = dict(run_meta or {})
         self.lock = lock_for(self.url)
@@ -243,6 +247,37 @@ class NoRunDir:
     @contextlib.contextmanager
     def recording(self, what: str):
         yield True  # nothing to lock: trackers may still record
+
+
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")  # $NAME or ${NAME}, as os.path.expandvars reads them
+
+
+def check_variables_set(model_dir) -> None:
+    """Refuses a model_dir that names an environment variable that is not set (``$RUNS/x`` would
+    otherwise be a folder literally named ``$RUNS``); set ones are expanded (``storage.expand``)."""
+    names = {match[1] or match[2] for match in _VARIABLE.finditer(os.fspath(model_dir))}
+    unset = sorted(name for name in names if name not in os.environ)
+    if unset:
+        raise ConfigError(
+            f"RunConfig(model_dir={os.fspath(model_dir)!r}) refers to {', '.join('$' + n for n in unset)}, not set "
+            f"in this environment; expected a path whose variables are all set. Fix: export {unset[0]}=..., or "
+            "write the path out."
+        )
+
+
+def check_not_below_file(url: str) -> None:
+    """Refuses a local model_dir that is a file, or lies below one: it can never hold a run."""
+    if storage.is_url(url):
+        return
+    path = url
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is" if path == url else f"lies below {path}, which is"
+        raise ConfigError(
+            f"RunConfig(model_dir={url!r}) {where} a file; expected a directory (new or existing) where "
+            "checkpoints and metrics can be written. Fix: choose a path that is not a file and not below one."
+        )
 
 
 def check_supported(url: str) -> None:

@@ -18,6 +18,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
@@ -159,12 +160,20 @@ def write(path: str | os.PathLike, examples: Iterable[Mapping[str, Any]], *, opt
     Values are encoded as ``tfrecord.serialize`` says (floats, integers,
     ``bytes``). ``options`` are the writer's (``group_size:1`` by default,
     which random access wants; e.g. ``"group_size:1,zstd:9"``). A local path
-    is written in place; a URL (``gs://``, ``s3://``, ...) through a local
-    file copied there at the end.
+    is written under a temporary name beside it, renamed once every example
+    is written; a URL (``gs://``, ``s3://``, ...) through a local file copied
+    there at the end. Either way, an error part way (a value that cannot be
+    encoded, an ``examples`` iterator that raises) leaves nothing at ``path``.
     """
     target = storage.expand(path)
     if not storage.is_url(target):
-        _write_local(target, target, examples, options)
+        partial = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{uuid.uuid4().hex}.partial")
+        try:
+            _write_local(partial, target, examples, options)
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
         return
     fs, remote = storage.filesystem(target)
     with tempfile.TemporaryDirectory(prefix="estimax-arrayrecord-") as scratch:
