@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import counting, noise, storage
+from estimax import counting, noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
@@ -78,6 +78,7 @@ class Checkpointer:
             best_options = dict(
                 best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
             )
+        store_options = orbax_s3.options() if storage.scheme(self.directory) == "s3" else {}
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -87,6 +88,7 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
                 read_only=read_only,
                 **best_options,
+                **store_options,
             ),
         )
 

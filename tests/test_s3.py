@@ -1,0 +1,221 @@
+"""An s3:// model_dir end to end against moto's S3 server on 127.0.0.1, as tests/test_storage.py does gs://:
+train, resume bitwise, keep N (each step uncommitted before its files go), heal, best, warm start,
+export, the lease lock, the endpoint variables, and Orbax's patch (estimax/orbax_s3.py) checked."""
+
+import base64
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import fsspec
+import jax
+import numpy as np
+import optax
+import pytest
+from models import mlp, model_fn
+from test_storage import DATA, bucket_names, estimator
+
+import estimax as ex
+from estimax import orbax_s3, storage
+from estimax.checkpoint import Checkpointer
+from estimax.errors import StorageError
+from estimax.lock import LeaseLock, holder_record
+
+
+def assert_same_params(a, b):
+    for x, y in zip(jax.tree.leaves(jax.device_get(a.params)), jax.tree.leaves(jax.device_get(b.params)), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def requests_for_objects(server_url: str) -> list[tuple[str, str]]:
+    """``(verb, key)`` of every object written or deleted since the recording started, in the order the
+    server received them (moto's recorder)."""
+    with urllib.request.urlopen(f"{server_url}/moto-api/recorder/download-recording") as response:
+        requests = [json.loads(line) for line in response.read().decode().splitlines() if line]
+    done = []
+    for request in requests:
+        bucket, _, key = request["url"].split("://", 1)[-1].split("/", 1)[1].partition("/")
+        if request["method"] in ("PUT", "DELETE") and key:
+            done.append((request["method"], key))
+        elif request["method"] == "POST" and bucket.endswith("?delete"):  # DeleteObjects: the keys in its XML body
+            body = base64.b64decode(request["body"]).decode() if request["body_encoded"] else request["body"]
+            done += [("DELETE", part.split("</Key>")[0]) for part in body.split("<Key>")[1:]]
+    return done
+
+
+def moto_api(server_url: str, action: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{server_url}/moto-api/recorder/{action}", method="POST")).read()
+
+
+def test_s3_model_dir_trains_keeps_n_resumes_bitwise_evaluates_exports_and_serves(s3, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where no local "s3:" folder may appear
+    url, server = "s3://bkt/e2e", s3.url
+    policy = ex.CheckpointPolicy(every_steps=4, keep=2)
+    moto_api(server, "reset-recording")
+    moto_api(server, "start-recording")
+    try:
+        estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
+            ex.data.from_arrays(*DATA), max_steps=16
+        )
+    finally:
+        moto_api(server, "stop-recording")
+    names = bucket_names(url)
+    assert sorted({n.split("/")[1] for n in names if n.startswith("checkpoints/")}) == ["12", "16"]  # keep=2
+    assert {"checkpoints/12/commit_success.txt", "checkpoints/16/commit_success.txt"} <= set(names)
+    assert "estimax.lock" not in names and not os.path.exists(tmp_path / "s3:")
+    # Keep-N: each deleted step lost its commit marker before any other object, so that a deletion
+    # stopped half way leaves a step that is not listed (and is cleaned up), never one that looks whole.
+    done = requests_for_objects(server)
+    for step in (4, 8):
+        marker = f"e2e/checkpoints/{step}/commit_success.txt"
+        committed = done.index(("PUT", marker))
+        deleted = [k for verb, k in done[committed:] if verb == "DELETE" and k.startswith(f"e2e/checkpoints/{step}/")]
+        assert len(deleted) > 5 and deleted[0] == marker, deleted
+
+    # A new process's view: resumes from the bucket and continues exactly as an uninterrupted run.
+    resumed = estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
+    resumed.train(ex.data.from_arrays(*DATA), max_steps=32)
+    local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
+    assert_same_params(resumed.state(), local.state())
+
+    with fsspec.open(f"{url}/metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if r["split"] == "train"] == [8, 16, 24, 32]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(f"{url}/tensorboard/train", size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
+
+    reader = estimator(url)
+    assert reader.step == 32
+    assert reader.evaluate(ex.data.from_arrays(*DATA)) == local.evaluate(ex.data.from_arrays(*DATA))
+    assert estimator(None).evaluate(ex.data.from_arrays(*DATA), checkpoint=f"{url}/checkpoints/28")["num_examples"] == 256
+    exported = reader.export("s3://bkt/exports/e2e", example_features={"x": DATA[0]["x"][:1]})
+    assert exported == "s3://bkt/exports/e2e" and "signature.json" in bucket_names(exported)
+    served = ex.serving.load(exported)({"x": DATA[0]["x"][:8]})
+    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": DATA[0]["x"][:8]}))]
+    np.testing.assert_array_equal(served["class"], expected)
+    assert not os.path.exists(tmp_path / "s3:")
+
+
+def test_s3_uncommitted_and_damaged_steps_are_healed_and_the_run_ends_bitwise(s3, tmp_path, estimax_log):
+    url, policy = "s3://bkt/heal", ex.CheckpointPolicy(every_steps=4)
+    estimator(url, checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=12)
+    fs, inner = fsspec.core.url_to_fs(url)
+    # Step 12 as a save (or a deletion) stopped part way leaves it: its objects without the commit marker.
+    fs.rm_file(f"{inner}/checkpoints/12/commit_success.txt")
+    arrays = [p for p in fs.find(f"{inner}/checkpoints/8/state") if "/d/" in p]
+    fs.pipe_file(arrays[0], b"garbage")  # step 8: an altered array object
+    assert estimator(url).step == 4  # a reader lists neither 12 (uncommitted) nor uses 8 (damaged)
+
+    healed = estimator(url, checkpoint=policy)
+    healed.train(ex.data.from_arrays(*DATA), max_steps=12)  # restores 4, trains 4 -> 12 again
+    log = estimax_log.text
+    assert f"The save of step 12 in {url}/checkpoints never finished" in log
+    assert "Restored step 4" in log and "Moved the damaged checkpoint" in log
+    names = bucket_names(url)
+    assert any(".corrupt-" in n for n in names)
+    assert {"checkpoints/8/commit_success.txt", "checkpoints/12/commit_success.txt"} <= set(names)
+    local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=12)
+    assert_same_params(healed.state(), local.state())
+
+
+def test_s3_best_checkpoint_and_warm_start_through_aws_endpoint_url_s3(s3, monkeypatch):
+    # The S3-specific variable wins over the general one, for TensorStore's arrays as for fsspec's objects.
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    url = "s3://bkt/best"
+    est = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    est.train_and_evaluate(
+        ex.data.from_arrays(*DATA), ex.data.from_arrays(*DATA), max_steps=12, eval_every_steps=4,
+        best=ex.Best("accuracy"),
+    )  # fmt: skip
+    assert any(n.startswith("best/") and n.endswith("/commit_success.txt") for n in bucket_names(url))
+    warm = ex.Estimator(
+        mlp, model_fn, optax.adam(1e-2), ex.RunConfig(model_dir=None, train_batch_size=32), warm_start=ex.WarmStart(url)
+    )
+    assert_same_params(warm.state(), est.state())
+
+
+def test_s3_lock_is_a_conditional_create_naming_the_holder_and_an_expired_lease_is_taken_over(s3, estimax_log):
+    url = "s3://bkt/locked"
+    assert storage.create_exclusive(f"{url}/probe", b"1") and not storage.create_exclusive(f"{url}/probe", b"2")
+    assert storage.read_bytes(f"{url}/probe") == b"1"  # the server refused the second create (If-None-Match: *)
+    holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
+    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
+    with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
+        estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
+    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
+    assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
+    assert f"Took over the lock of model_dir {url}: its lease expired" in estimax_log.text
+    with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
+        assert lock.held
+        with pytest.raises(ex.ModelDirLocked, match="being written by another process"):
+            LeaseLock(url).acquire()
+
+
+def test_s3_missing_bucket_is_one_line_before_the_first_step(s3):
+    est = estimator("s3://no-such-bucket/run")
+    with pytest.raises(StorageError, match="s3://no-such-bucket/run: bucket 'no-such-bucket' does not exist.*Fix"):
+        est.train(ex.data.from_arrays(*DATA), max_steps=4)
+    assert est.step == 0
+
+
+def test_the_orbax_patch_fits_the_installed_orbax_or_names_itself(monkeypatch):
+    """Fails loudly when Orbax changes under estimax/orbax_s3.py: pin orbax-checkpoint or update the patch."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    orbax_s3.enable()  # raises StorageError naming the patch if the installed Orbax does not fit it
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:5000")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    spec = tensorstore_utils.build_kvstore_tspec("s3://b/run/checkpoints/4/state", use_ocdbt=True)
+    assert spec["driver"] == "ocdbt" and spec["base"] == {
+        "driver": "s3", "bucket": "b", "path": "run/checkpoints/4/state", "endpoint": "http://127.0.0.1:5000",
+        "aws_region": "eu-west-3", "aws_credentials": {"type": "environment"},
+    }  # fmt: skip
+    gs = tensorstore_utils.build_kvstore_tspec("gs://b/run/checkpoints/4/state", use_ocdbt=True)["base"]
+    assert gs["driver"].startswith("gcs") and gs["bucket"] == "b"  # gs:// as Orbax builds it
+
+    # An Orbax without one of the functions the patch replaces is refused, naming the patch and the fix.
+    monkeypatch.delattr(tensorstore_utils, "_use_gcs_driver")
+    with pytest.raises(StorageError, match=r"estimax/orbax_s3.py.*_use_gcs_driver is gone.*orbax-checkpoint>="):
+        orbax_s3.enable.__wrapped__()
+
+
+def test_two_processes_saving_to_s3_survive_sigkill_and_sigterm_and_end_bitwise(s3, tmp_path):
+    """2 processes x 4 devices write one s3:// model_dir: one is killed with SIGKILL after a save (the group
+    restarts), then the group is stopped by SIGTERM (it saves and exits 75) and started again; the run ends
+    with the parameters of an uninterrupted run, bit for bit."""
+    from test_distributed import STEPS, _finish, _launcher, _max_difference, _result
+
+    _finish(_launcher(str(tmp_path / "reference"), str(tmp_path / "reference-out"), "train", str(STEPS)))
+    url, out_dir = "s3://bkt/multihost", tmp_path / "out"
+
+    def wait_for_step_folder(launcher, step):  # a step's folder is listed while written: the one before is committed
+        deadline = time.monotonic() + 120
+        while max([int(n) for n in storage.listdir(f"{url}/checkpoints") if n.isdigit()] or [0]) < step:
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
+            time.sleep(0.1)
+
+    launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
+    wait_for_step_folder(launcher, 8)
+    os.kill(int((out_dir / "pid-1").read_text()), signal.SIGKILL)
+    wait_for_step_folder(launcher, 16)
+    launcher.send_signal(signal.SIGTERM)
+    out, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 75, out
+    assert "restarting the group from its latest checkpoint" in out and "Restored checkpoint step" in out
+    stopped = int(out.split("training stopped at step ")[1].split()[0])
+    assert 16 <= stopped < STEPS and stopped in Checkpointer(f"{url}/checkpoints", read_only=True).steps()
+
+    out = _finish(_launcher(url, str(out_dir), "train", str(STEPS)), timeout=240)
+    assert f"Restored checkpoint step {stopped}" in out
+    resumed, uninterrupted = _result(out_dir), _result(tmp_path / "reference-out")
+    assert resumed["step"] == STEPS
+    assert _max_difference(resumed["params"], uninterrupted["params"]) == 0.0
+    assert resumed["eval"] == uninterrupted["eval"]
+
