@@ -128,16 +128,17 @@ class Checkpointer:
 
     def refresh(self) -> None:
         """Lists the step directories again (another process, or the group's primary, changed them)."""
+        storage.forget_listings(self.directory)
         self._manager.reload()
 
     def steps(self) -> list[int]:
         if self.read_only:
-            self._manager.reload()  # a reader sees what the writer saved since
+            self.refresh()  # a reader sees what the writer saved since
         return list(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         if self.read_only:
-            self._manager.reload()
+            self.refresh()
         return self._manager.latest_step()
 
     def due(self, step_before: int, step_after: int) -> bool:
