@@ -2,23 +2,24 @@
 
 Orbax 0.12 builds the TensorStore spec of every array itself and knows local
 paths and ``gs://`` only; TensorStore has an ``s3`` kvstore driver. Until
-Orbax supports S3 itself (google/orbax PR #2739), ``enable()`` replaces three
-private Orbax functions, so that an ``s3://`` path keeps its ``//``, counts as
-remote, and gets TensorStore's ``s3`` spec, and makes a step's deletion remove
-its commit marker before anything else (S3 deletes object by object: a step
-that lost some files must never still look committed). S3 has no rename, so
-a step is written in place and committed by a marker object
-(``options()``: Orbax's commit-file atomicity). The endpoint, region and
-credentials come from the standard AWS variables (``AWS_ENDPOINT_URL_S3``,
-``AWS_ENDPOINT_URL``, ``AWS_REGION``, ``AWS_ACCESS_KEY_ID``...), which
-TensorStore does not read itself: MinIO, R2 and moto work as AWS does.
+Orbax supports S3 itself (google/orbax PR #2739), ``enable()`` replaces
+three private Orbax functions, so that an ``s3://`` path keeps its ``//``,
+counts as remote and gets TensorStore's ``s3`` spec, and the method that
+deletes a step, so that the step's commit marker goes before its other
+objects (S3 deletes object by object: a step that lost some of them must not
+still look committed). S3 has no rename either, so a step is written in
+place and committed last by that marker (``options()``: Orbax's commit-file
+atomicity). The endpoint, region and keys come from the standard AWS
+variables (``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``; ``AWS_REGION``;
+``AWS_ACCESS_KEY_ID``...), which TensorStore does not read itself: MinIO, R2
+and moto work as AWS does.
 
-The patch is checked when it is applied, by building a spec and comparing
-it with what TensorStore needs: an Orbax that changed under it is one
-``StorageError`` naming this module and the versions it is known to work
-with, raised before anything is written. Owns the patch and the S3 spec;
-does not own when or what is saved (``checkpoint.py``) nor fsspec access to
-the bucket (``storage.py``).
+The patch checks itself when applied (the signatures it replaces, then the
+spec Orbax builds with it): an Orbax that changed under it is one
+``StorageError`` naming this module and the versions it fits, raised before
+anything is written. Owns the patch and the S3 spec; does not own when or
+what is saved (``checkpoint.py``) nor fsspec access to the bucket
+(``storage.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import re
 
 from estimax.errors import StorageError
 
-KNOWN_ORBAX = ">=0.12.8,<0.13"  # the orbax-checkpoint versions this patch is tested with (also pyproject's s3 extra)
+KNOWN_ORBAX = ">=0.12.8,<0.13"  # the orbax-checkpoint versions the patch fits (pyproject's s3 extra pins them)
 COMMIT_MARKER = "commit_success.txt"  # Orbax's marker of a committed step (commit-file atomicity)
 
 # What the patch replaces, with the parameters Orbax calls them with.

@@ -3,6 +3,7 @@
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -78,8 +79,6 @@ class S3Server:
     recording (``/moto-api/recorder/...``) is kept in ``root``."""
 
     def __init__(self, root: str, buckets=("bkt",)):
-        import sys
-
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
