@@ -1,6 +1,7 @@
 """An s3:// model_dir end to end against moto's S3 server on 127.0.0.1, as tests/test_storage.py does gs://:
-train, resume bitwise, keep N (each step uncommitted before its files go), heal, best, warm start,
-export, the lease lock, the endpoint variables, and Orbax's patch (estimax/orbax_s3.py) checked."""
+train, keep N (each step uncommitted before its other objects go), heal, SIGTERM, resume bitwise, best,
+warm start, export, the lease lock, the endpoint variables, two processes and a SIGKILL, and Orbax's
+patch (estimax/orbax_s3.py) checked against the installed Orbax."""
 
 import base64
 import json
