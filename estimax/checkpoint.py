@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import counting, noise, storage
+from estimax import counting, noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
@@ -79,6 +79,7 @@ class Checkpointer:
             best_options = dict(
                 best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
             )
+        store_options = orbax_s3.options() if storage.scheme(self.directory) == "s3" else {}
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -88,6 +89,7 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
                 read_only=read_only,
                 **best_options,
+                **store_options,
             ),
         )
 
@@ -127,16 +129,17 @@ class Checkpointer:
 
     def refresh(self) -> None:
         """Lists the step directories again (another process, or the group's primary, changed them)."""
+        storage.forget_listings(self.directory)
         self._manager.reload()
 
     def steps(self) -> list[int]:
         if self.read_only:
-            self._manager.reload()  # a reader sees what the writer saved since
+            self.refresh()  # a reader sees what the writer saved since
         return list(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         if self.read_only:
-            self._manager.reload()
+            self.refresh()
         return self._manager.latest_step()
 
     def committed_step(self) -> int | None:

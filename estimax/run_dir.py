@@ -1,6 +1,6 @@
 """Everything estimax keeps for a run: ``RunDir`` owns the model_dir, ``NoRunDir`` stands for none.
 
-A model_dir (a local path, ``file://``, or ``gs://``) holds::
+A model_dir (a local path, ``file://``, ``gs://`` or ``s3://``) holds::
 
     checkpoints/<step>/     Orbax checkpoints of the TrainState (checkpoint.py)
     best/<step>/            the best checkpoint by an evaluation metric
@@ -283,18 +283,11 @@ def check_not_below_file(url: str) -> None:
 def check_supported(url: str) -> None:
     """Refuses, before anything is written, a model_dir whose store cannot hold checkpoints."""
     kind = storage.scheme(url)
-    if kind in ("", "file", "gs"):
+    if kind in ("", "file", "gs", "s3"):
         return
-    if kind == "s3":
-        raise StorageError(
-            f"model_dir {url}: checkpoints cannot be written to s3:// yet (Orbax 0.12 writes gs:// and local "
-            "paths only: it fails with 'Checkpoint path should be absolute'). Expected a local path or gs://. "
-            "Fix: use gs://, a shared file system, or a mounted bucket (mountpoint-s3, s3fs-fuse) as a local "
-            "path; s3:// works for input data (ex.data readers) and exported models."
-        )
     raise StorageError(
-        f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths and "
-        "gs://). Expected a local path or gs://. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
+        f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths, "
+        "gs:// and s3://). Expected one of them. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
     )
 
 

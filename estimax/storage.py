@@ -206,6 +206,13 @@ def move(source: str, target: str) -> None:
     _forget_listings(fs)
 
 
+def forget_listings(path: str) -> None:
+    """Makes the next listing of ``path``'s store ask the store: its client (Orbax's too) caches listings,
+    which miss what another process wrote since."""
+    if is_url(path):
+        _forget_listings(filesystem(path)[0])
+
+
 def _forget_listings(fs) -> None:
     """Drops the cached listings of every client of ``fs``'s kind (Orbax's included), which would
     otherwise still list what was just moved or deleted."""
