@@ -21,7 +21,8 @@ from test_storage import DATA, bucket_names, estimator
 import estimax as ex
 from estimax import orbax_s3, storage
 from estimax.errors import StorageError
-from estimax.lock import LeaseLock, holder_record
+from estimax.lease import LeaseLock
+from estimax.lock import holder_record
 
 
 def assert_same_params(a, b):
