@@ -138,6 +138,13 @@ class Checkpointer:
             self._manager.reload()
         return self._manager.latest_step()
 
+    def committed_step(self) -> int | None:
+        """The newest step whose save has completed (``latest_step`` counts one still in flight)."""
+        steps = sorted(self.steps())
+        if steps and self._manager.is_saving_in_progress():
+            steps.pop()
+        return steps[-1] if steps else None
+
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
         every, seconds = self.policy.every_steps, self.policy.every_seconds
