@@ -168,18 +168,23 @@ _ORDER = "Kubeflow Trainer, SkyPilot, Kubernetes Indexed Job, Open MPI, SLURM"
 
 
 def _share_of_node(
-    env: Mapping[str, str], manager: str, local_rank: int, on_node: int, on_node_said: str
+    env: Mapping[str, str], manager: str, local_rank: int, on_node: int | None, on_node_said: str
 ) -> tuple[int, ...] | None:
     """This process's GPUs (``local_gpus``), once its local rank is checked against its node's
-    process count; GPUs that no process of the node gets are named (by local rank 0, once a node)."""
+    process count (``None``: unknown, taken as 1 for local rank 0); GPUs that no process of the
+    node gets are named (by local rank 0, once a node)."""
     rank_name = "SLURM_LOCALID" if manager == "SLURM" else "OMPI_COMM_WORLD_LOCAL_RANK"
+    visible = _visible_gpus(env)
+    if on_node is None:
+        if not visible or local_rank == 0:
+            return local_gpus(0, 1, len(visible)) if visible else None
+        on_node = 1
     if not 0 <= local_rank < on_node:
         raise DistributedError(
             f"{manager}: {rank_name}={local_rank} with {on_node_said}; expected a local rank from 0 to "
             f"{on_node - 1}: a process would drive GPUs that the node does not have. Fix: let {manager} set both "
             "(a value set by hand or inherited from another job overrides its own)."
         )
-    visible = _visible_gpus(env)
     if visible and local_rank == 0 and len(visible) >= on_node and len(visible) % on_node:
         share = len(visible) // on_node
         idle = ", ".join(visible[on_node * share :])
@@ -214,10 +219,10 @@ def _visible_gpus(env: Mapping[str, str]) -> list[str] | None:
     return [str(i) for i in range(int(gpus))] if gpus and gpus.isdigit() else None
 
 
-def _tasks_on_this_node(env: Mapping[str, str]) -> tuple[int, str]:
+def _tasks_on_this_node(env: Mapping[str, str]) -> tuple[int | None, str]:
     """The number of tasks of this node and the variable that says it: the step's
     ``SLURM_STEP_TASKS_PER_NODE`` (``"2(x3),1"``: 2 tasks on each of 3 nodes, then 1), else
-    ``SLURM_NTASKS_PER_NODE``, else the job's ``SLURM_TASKS_PER_NODE``."""
+    ``SLURM_NTASKS_PER_NODE``, else the job's ``SLURM_TASKS_PER_NODE``; ``None`` with none of them."""
     for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
         text = env.get(name, "")
         counts = [
@@ -232,7 +237,7 @@ def _tasks_on_this_node(env: Mapping[str, str]) -> tuple[int, str]:
                 f"(one entry per node). Fix: let srun set them (--ntasks-per-node >= 1)."
             )
         return counts[node], f"{name}={text!r}" + (f", SLURM_NODEID={node}" if len(counts) > 1 else "")
-    return 1, "no SLURM_*TASKS_PER_NODE: 1 task per node"
+    return None, "none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE, SLURM_TASKS_PER_NODE"
 
 
 def _rank(env: Mapping[str, str], manager: str, rank_name: str, size_name: str, because: str | None = None):

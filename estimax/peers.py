@@ -147,19 +147,19 @@ class PeerWatch:
         while not self._leaving.wait(self.interval):
             now = time.monotonic()
             beats = {int(k.rsplit("/", 1)[1]): v for k, v in self.client.key_value_dir_get(_ALIVE)}
-            silent = {}
+            silent, left = {}, {p for p, beat in beats.items() if beat == _LEFT}
             for p in range(1, self.num_processes):
                 beat, (seen, since) = beats.get(p), last_seen.get(p, (None, started))
-                if beat == _LEFT:
+                if p in left:
                     continue
                 if beat != seen:
                     last_seen[p], since = (beat, now), now
                 if now - since > self.timeout:
                     silent[p] = (beat.split(" ", 1)[1] if beat else "unknown", now - since)
             if silent:
-                self._report(silent)
+                self._report(silent, left)
 
-    def _report(self, silent: dict[int, tuple[str, float]]) -> None:
+    def _report(self, silent: dict[int, tuple[str, float]], left: set[int]) -> None:
         """Publishes the line for the survivors, says it, waits until they have read it, then stops."""
         names = " and ".join(f"process {p} (host {host})" for p, (host, _) in sorted(silent.items()))
         quiet = max(seconds for _, seconds in silent.values())
@@ -181,7 +181,7 @@ class PeerWatch:
         self._say(line)
         deadline = time.monotonic() + max(2.0, self.timeout)
         for p in range(1, self.num_processes):  # they read the line from the service this process hosts
-            if p not in silent:
+            if p not in silent and p not in left:
                 try:
                     self.client.blocking_key_value_get(f"{_TOLD}{p}", max(1, int((deadline - time.monotonic()) * 1000)))
                 except Exception:  # gone too, or stuck: JAX's heartbeat ends it
