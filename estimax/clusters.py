@@ -185,16 +185,24 @@ def _share_of_node(
             f"{on_node - 1}: a process would drive GPUs that the node does not have. Fix: let {manager} set both "
             "(a value set by hand or inherited from another job overrides its own)."
         )
-    if visible and local_rank == 0 and len(visible) >= on_node and len(visible) % on_node:
-        share = len(visible) // on_node
-        idle = ", ".join(visible[on_node * share :])
-        fits = ", ".join(str(n) for n in range(1, len(visible) + 1) if len(visible) % n == 0)
-        logger.warning(
-            "%s: %d processes on this node (%s) share its %d visible GPUs %d each; GPUs %s stay idle. Fix: "
-            "run %s processes per node, or bind GPUs to tasks (e.g. --gpus-per-task).",
-            manager, on_node, on_node_said, len(visible), share, idle, fits,
-        )  # fmt: skip
+    if visible and local_rank == 0 and idle_gpus(visible, on_node):
+        logger.warning("%s: %d processes on this node (%s) %s", manager, on_node, on_node_said,
+                       idle_gpus(visible, on_node))  # fmt: skip
     return local_gpus(local_rank, on_node, len(visible) if visible else None)
+
+
+def idle_gpus(visible: list[str], processes: int) -> str:
+    """What to say when an equal share of the ``visible`` GPUs for each of ``processes`` leaves some
+    idle (``""``: none idle, or each process bound to its own by the manager)."""
+    if len(visible) < processes or not len(visible) % processes:
+        return ""
+    share = len(visible) // processes
+    fits = ", ".join(str(n) for n in range(1, len(visible) + 1) if len(visible) % n == 0)
+    idle = ", ".join(visible[processes * share :])
+    return (
+        f"share the node's {len(visible)} visible GPUs {share} each; GPUs {idle} stay idle. "
+        f"Fix: run {fits} processes per node, or bind GPUs to tasks (e.g. --gpus-per-task)."
+    )
 
 
 def local_gpus(local_rank: int, processes_on_node: int, visible: int | None) -> tuple[int, ...] | None:

@@ -58,7 +58,7 @@ def initialize(
 
     ``peer_timeout_seconds`` (default ``ESTIMAX_PEER_TIMEOUT_SECONDS``, else 10):
     how long a process may show no sign of life before every other one logs a
-    line naming it and exits with ``PEER_LOST_EXIT_CODE`` (69), within 1.2 times
+    line naming it and exits with ``PEER_LOST_EXIT_CODE`` (69), within 1.3 times
     that (``peers.bound_seconds``).
     """
     if jax.distributed.is_initialized():

@@ -75,8 +75,9 @@ def timeout_seconds(value: float | None = None) -> float:
 
 def bound_seconds(timeout: float) -> float:
     """How long after a process is lost every other one has stopped: ``timeout`` of silence, plus up to
-    one interval for process 0 to see the last beat and one to look again."""
-    return timeout + 2 * timeout / 10
+    one interval for process 0 to see the last beat, one to look again and one to ask for the last
+    committed step."""
+    return timeout + 3 * timeout / 10
 
 
 class PeerWatch:
@@ -89,6 +90,8 @@ class PeerWatch:
     def __init__(self, client, process: int, num_processes: int, timeout: float):
         self.client, self.process, self.num_processes, self.timeout = client, process, num_processes, timeout
         self.committed_step: Callable[[], int | None] = lambda: None  # the last committed checkpoint
+        self._committed: int | None = None  # its last answer
+        self._asking: threading.Thread | None = None
         self.interval = timeout / 10  # see bound_seconds
         self._leaving = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="estimax-peers")
@@ -103,13 +106,17 @@ class PeerWatch:
         atexit.register(self.leave)  # before JAX's own shutdown, registered when JAX was imported
 
     def leave(self) -> None:
-        """This process ends normally: no longer watched (or watching), and its thread ends before
-        JAX's client does (a thread inside the client at exit ends the process on a C++ exception)."""
+        """This process ends: its thread ends before JAX's client does (a thread inside the client at
+        exit ends the process on a C++ exception), and, if it ends normally, it is no longer watched."""
         if self._leaving.is_set():
             return
+        if getattr(sys, "last_value", None) is not None:  # ended on an error, often a collective's with a
+            self._thread.join(timeout=bound_seconds(self.timeout))  # lost peer: the watch may name it first
         self._leaving.set()
         self._thread.join(timeout=2 * self.interval + 1)
-        if self.process != 0:
+        # Ended on an uncaught error, it says nothing: process 0 names it as lost, and the others stop
+        # instead of waiting for it in a collective.
+        if self.process != 0 and getattr(sys, "last_value", None) is None:
             try:
                 self.client.key_value_set(f"{_ALIVE}{self.process}", _LEFT, allow_overwrite=True)
             except Exception:  # the coordinator is gone already: nobody to tell
@@ -158,24 +165,46 @@ class PeerWatch:
                     silent[p] = (beat.split(" ", 1)[1] if beat else "unknown", now - since)
             if silent:
                 self._report(silent, left)
+            self._ask_committed(wait=False)
+
+    def _ask_committed(self, wait: bool = True) -> bool:
+        """Refreshes ``_committed`` from ``committed_step()``, asked aside; returns whether it answered
+        (within an interval if ``wait``: Orbax holds a lock while a save waits at a barrier for every
+        process, and for a lost one until its own timeout)."""
+        if self._asking is None or not self._asking.is_alive():
+
+            def ask():
+                try:
+                    self._committed = self.committed_step()
+                except Exception:  # a closed checkpointer: the last answer stands
+                    pass
+
+            self._asking = threading.Thread(target=ask, daemon=True, name="estimax-peers-committed")
+            self._asking.start()
+        self._asking.join(timeout=self.interval if wait else 0)
+        return not self._asking.is_alive()
 
     def _report(self, silent: dict[int, tuple[str, float]], left: set[int]) -> None:
         """Publishes the line for the survivors, says it, waits until they have read it, then stops."""
         names = " and ".join(f"process {p} (host {host})" for p, (host, _) in sorted(silent.items()))
         quiet = max(seconds for _, seconds in silent.values())
-        try:  # read while the main thread may wait in a collective: Orbax's record, no I/O
-            committed = self.committed_step()
-        except Exception:  # a closed checkpointer: nothing to name
-            committed = None
-        resume = (
-            f"The last committed checkpoint is step {committed}: resume from step {committed} with the same command"
-            if committed is not None
-            else "No checkpoint was committed in this run: the same command starts from the model_dir's latest, if any"
-        )
+        answered = self._ask_committed()
+        step = self._committed
+        if step is None:
+            resume = (
+                "No checkpoint was committed in this run: the same command starts from the model_dir's latest, if any"
+                if answered
+                else "A checkpoint was being saved: the same command resumes from the latest committed one"
+            )
+        else:
+            later = "" if answered else " (a later one was being saved: the latest committed is where it resumes)"
+            resume = (
+                f"The last committed checkpoint is step {step}{later}: resume from step {step} with the same command"
+            )
         line = (
-            f"lost {names} of the group of {self.num_processes}: no sign of life for {quiet:.1f} s (killed, frozen, "
-            f"or its host is gone; {TIMEOUT_ENV}={self.timeout:g}). {resume} (estimax launch --max-restarts or "
-            "a cluster manager's restart does it)."
+            f"lost {names} of the group of {self.num_processes}: no sign of life for {quiet:.1f} s (killed, "
+            f"ended on an error, frozen, or its host is gone; {TIMEOUT_ENV}={self.timeout:g}). {resume} "
+            "(estimax launch --max-restarts or a cluster manager's restart does it)."
         )
         self.client.key_value_set(_LOST, line)
         self._say(line)

@@ -150,8 +150,8 @@ def test_two_managers_that_agree_and_idle_gpus_are_warnings(estimax_log):
         "(Kubeflow Trainer, SkyPilot, Kubernetes Indexed Job, Open MPI, SLURM); they agree: process 1 of 2.",
         "The variables of Open MPI and SLURM are both set; using Open MPI's: mpirun started this process inside the "
         "SLURM allocation (JAX reads them in the same order).",
-        "SLURM: 3 processes on this node (SLURM_STEP_TASKS_PER_NODE='3(x2)', SLURM_NODEID=1) share its 8 visible GPUs "
-        "2 each; GPUs 6, 7 stay idle. Fix: run 1, 2, 4, 8 processes per node, or bind GPUs to tasks (e.g. "
+        "SLURM: 3 processes on this node (SLURM_STEP_TASKS_PER_NODE='3(x2)', SLURM_NODEID=1) share the node's 8 "
+        "visible GPUs 2 each; GPUs 6, 7 stay idle. Fix: run 1, 2, 4, 8 processes per node, or bind GPUs to tasks (e.g. "
         "--gpus-per-task).",
     ]
 
@@ -280,6 +280,9 @@ def test_launch_inside_a_managed_step_gives_children_their_own_group_and_gpus():
     out = subprocess.run([*command, LAUNCHED], env=env, capture_output=True, text=True, timeout=120).stdout
     children = sorted(line.split("ENV ", 1)[1] for line in out.splitlines() if "ENV " in line)
     assert children == ['{"ESTIMAX_PROCESS_ID": "0"} 2,3', '{"ESTIMAX_PROCESS_ID": "1"} 4,5'], out
+    command[command.index("--num-processes") + 1] = "3"
+    out = subprocess.run([*command, LAUNCHED], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "[launch] warning: 3 processes share the node's 4 visible GPUs 1 each; GPUs 5 stay idle." in out
 
 
 SIGNALLED = textwrap.dedent(

@@ -43,7 +43,7 @@ def _lost_line(out: str) -> str:
 
 def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_committed_step(tmp_path):
     model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
-    group = [_process([JOB, model_dir, out_dir, "train", "200", "0.5"], port, r, 2) for r in range(2)]
+    group = [_process([JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
     try:
         deadline = time.monotonic() + 120
         while not _steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
@@ -64,9 +64,12 @@ def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_c
     assert f"Process 0: lost process 1 (host {socket.gethostname()}) of the group of 2: no sign of life for" in line
     silent = float(re.search(r"no sign of life for ([\d.]+) s", line).group(1))
     assert silent >= TIMEOUT
-    committed = max(_steps(model_dir))  # what a restart resumes from: the newest step on disk
-    assert f"The last committed checkpoint is step {committed}: resume from step {committed} with the same" in line
-    assert "Check failure" not in out and "Traceback" not in out  # estimax's line, not JAX's abort
+    # What a restart resumes from: the newest step on disk; or, if the kill came while a save waited for
+    # every process at Orbax's barrier, the one before it, with a word about the one being saved.
+    named = int(re.search(r"The last committed checkpoint is step (\d+)", line).group(1))
+    assert named == max(_steps(model_dir)) or "a later one was being saved" in line, line
+    assert named in _steps(model_dir) and f"resume from step {named} with the same command" in line
+    assert "Check failure" not in out  # estimax's line, not JAX's abort
 
 
 READY = textwrap.dedent(
