@@ -110,13 +110,12 @@ class PeerWatch:
         exit ends the process on a C++ exception), and, if it ends normally, it is no longer watched."""
         if self._leaving.is_set():
             return
-        if getattr(sys, "last_value", None) is not None:  # ended on an error, often a collective's with a
-            self._thread.join(timeout=bound_seconds(self.timeout))  # lost peer: the watch may name it first
+        failed = getattr(sys, "last_value", None) is not None  # an uncaught error ends the program
+        if failed:  # often a collective's, after a peer was lost: the watch may name the loss first
+            self._thread.join(timeout=bound_seconds(self.timeout))
         self._leaving.set()
         self._thread.join(timeout=2 * self.interval + 1)
-        # Ended on an uncaught error, it says nothing: process 0 names it as lost, and the others stop
-        # instead of waiting for it in a collective.
-        if self.process != 0 and getattr(sys, "last_value", None) is None:
+        if self.process != 0 and not failed:  # a failed one says nothing: process 0 names it as lost
             try:
                 self.client.key_value_set(f"{_ALIVE}{self.process}", _LEFT, allow_overwrite=True)
             except Exception:  # the coordinator is gone already: nobody to tell
@@ -125,13 +124,17 @@ class PeerWatch:
     def _run(self) -> None:
         try:
             self._watch() if self.process == 0 else self._beat()
-        except Exception as error:  # the coordination service is gone: process 0, which hosts it
-            if not self._leaving.is_set():
-                self._stop(
-                    f"lost process 0 (the coordinator) of {self.num_processes}: JAX's coordination service does not "
-                    f"answer ({_first_line(error)}). Run the same command again to resume from the last committed "
-                    "checkpoint."
-                )
+        except Exception as error:
+            if self._leaving.is_set():
+                return
+            if self.process == 0:
+                logger.warning("The watch over the group's processes stopped: %s", _first_line(error))
+                return
+            self._stop(  # the coordination service is gone: process 0, which hosts it
+                f"lost process 0 (the coordinator) of the group of {self.num_processes}: JAX's coordination service "
+                f"does not answer ({_first_line(error)}). Run the same command again to resume from the last "
+                "committed checkpoint."
+            )
 
     def _beat(self) -> None:
         host, count = socket.gethostname(), 0

@@ -160,7 +160,7 @@ def test_the_command_line_stops_on_contradicting_variables_before_anything_start
     env = _env(**{**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""})
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", str(tmp_path / "run"), "--max-steps", "1"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and not (tmp_path / "run").exists()
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
     assert result.stderr.strip().splitlines()[-1].startswith("estimax: error: SkyPilot: SKYPILOT_NODE_IPS='' lists 0")
 
 
