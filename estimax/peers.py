@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from typing import ClassVar
 
+from estimax.errors import ConfigError, EstimaxError
+
 logger = logging.getLogger("estimax")
 
 PEER_LOST_EXIT_CODE = 69
@@ -47,15 +49,13 @@ TIMEOUT_ENV = "ESTIMAX_PEER_TIMEOUT_SECONDS"
 DEFAULT_TIMEOUT_SECONDS = 10.0
 JAX_HEARTBEAT_FACTOR = 3  # JAX's own heartbeat timeout, a multiple of estimax's: the backstop
 _ALIVE = "estimax/alive/"
-_LOST = "estimax/lost"
+_WORD = "estimax/word/"  # process 0's line to each process, or the process's own word that it leaves
 _TOLD = "estimax/lost-told/"
 _LEFT = "left"
 
 
 def timeout_seconds(value: float | None = None) -> float:
     """``value``, else ``ESTIMAX_PEER_TIMEOUT_SECONDS``, else 10 s; checked."""
-    from estimax.errors import ConfigError
-
     source = f"peer_timeout_seconds={value!r}"
     if value is None:
         text = os.environ.get(TIMEOUT_ENV, "")
@@ -110,16 +110,19 @@ class PeerWatch:
         exit ends the process on a C++ exception), and, if it ends normally, it is no longer watched."""
         if self._leaving.is_set():
             return
-        failed = getattr(sys, "last_value", None) is not None  # an uncaught error ends the program
-        if failed:  # often a collective's, after a peer was lost: the watch may name the loss first
-            self._thread.join(timeout=bound_seconds(self.timeout))
+        error = getattr(sys, "last_value", None)  # the uncaught error that ends the program, if any
+        failed = error is not None
+        if failed and not isinstance(error, EstimaxError):  # often a collective's, after a peer was lost:
+            self._thread.join(timeout=bound_seconds(self.timeout))  # the watch may name the loss first
         self._leaving.set()
-        self._thread.join(timeout=2 * self.interval + 1)
-        if self.process != 0 and not failed:  # a failed one says nothing: process 0 names it as lost
-            try:
+        try:
+            if self.process != 0:
+                self.client.key_value_set(f"{_WORD}{self.process}", _LEFT, allow_overwrite=True)  # wakes the beat
+            self._thread.join(timeout=self.interval + 1)
+            if self.process != 0 and not failed:  # a failed one says nothing: process 0 names it as lost
                 self.client.key_value_set(f"{_ALIVE}{self.process}", _LEFT, allow_overwrite=True)
-            except Exception:  # the coordinator is gone already: nobody to tell
-                pass
+        except Exception:  # the coordinator is gone already: nobody to tell
+            pass
 
     def _run(self) -> None:
         try:
@@ -142,12 +145,14 @@ class PeerWatch:
             count += 1
             self.client.key_value_set(f"{_ALIVE}{self.process}", f"{count} {host}", allow_overwrite=True)
             try:  # waits one interval for process 0's word
-                lost = self.client.blocking_key_value_get(_LOST, int(self.interval * 1000))
+                word = self.client.blocking_key_value_get(f"{_WORD}{self.process}", int(self.interval * 1000))
             except Exception as error:
                 if "DEADLINE_EXCEEDED" in str(error) or "NOT_FOUND" in str(error):
                     continue
                 raise
-            self._say(lost)
+            if self._leaving.is_set():
+                return
+            self._say(word)
             self.client.key_value_set(f"{_TOLD}{self.process}", "1")
             self._exit()
 
@@ -209,15 +214,16 @@ class PeerWatch:
             f"ended on an error, frozen, or its host is gone; {TIMEOUT_ENV}={self.timeout:g}). {resume} "
             "(estimax launch --max-restarts or a cluster manager's restart does it)."
         )
-        self.client.key_value_set(_LOST, line)
+        survivors = [p for p in range(1, self.num_processes) if p not in silent and p not in left]
+        for p in survivors:
+            self.client.key_value_set(f"{_WORD}{p}", line, allow_overwrite=True)
         self._say(line)
         deadline = time.monotonic() + max(2.0, self.timeout)
-        for p in range(1, self.num_processes):  # they read the line from the service this process hosts
-            if p not in silent and p not in left:
-                try:
-                    self.client.blocking_key_value_get(f"{_TOLD}{p}", max(1, int((deadline - time.monotonic()) * 1000)))
-                except Exception:  # gone too, or stuck: JAX's heartbeat ends it
-                    pass
+        for p in survivors:  # they read the line from the service this process hosts: wait for them
+            try:
+                self.client.blocking_key_value_get(f"{_TOLD}{p}", max(1, int((deadline - time.monotonic()) * 1000)))
+            except Exception:  # gone too, or stuck: JAX's heartbeat ends it
+                pass
         self._exit()
 
     def _stop(self, line: str) -> None:
