@@ -16,7 +16,6 @@ never padded).
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable
 
@@ -24,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimax import counting
 from estimax import metrics as metrics_lib
 
 
@@ -103,24 +101,6 @@ def _empty(shape):
     if isinstance(shape, metrics_lib.Metric):
         return jax.tree.map(jnp.asarray, metrics_lib.empty_like(shape))
     return jnp.zeros(shape.shape, jnp.float32)
-
-
-def check_batch_size(global_batch_size: int, grad_accum_steps: int, batch_sharding) -> None:
-    """Raises unless every micro-batch splits evenly over the batch's shards and the processes."""
-    axes = batch_sharding.spec[0] if batch_sharding.spec else None
-    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
-    num_batch_shards = math.prod(batch_sharding.mesh.shape[a] for a in axes)
-    multiple = grad_accum_steps * math.lcm(num_batch_shards, jax.process_count())
-    if global_batch_size % multiple == 0:
-        return
-    nearest = counting.nearest_multiples(global_batch_size, multiple)
-    processes = f" of {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    raise ValueError(
-        f"RunConfig(train_batch_size={global_batch_size}) with grad_accum_steps={grad_accum_steps} does not "
-        f"split into {grad_accum_steps} micro-batches over the {num_batch_shards} batch shards{processes}; "
-        f"expected a multiple of {grad_accum_steps} x {multiple // grad_accum_steps} = {multiple}. "
-        f"Fix: use train_batch_size {nearest}, or another grad_accum_steps."
-    )
 
 
 def warn_if_multisteps(opt_state) -> None:

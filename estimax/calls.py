@@ -1,9 +1,9 @@
-"""What an Estimator call checks on entry: one thread at a time, a checkpoint
-asked for by step that exists, batch sizes that fit the devices.
+"""What an Estimator call checks on entry: one thread at a time, and a checkpoint
+asked for by step that exists.
 
 Owns those checks and their messages. Does not own what the calls do (the
-Estimator, ``training.py``, ``evaluator.py``) nor the checks of a model's
-outputs before the first step (``validation.py``).
+Estimator, ``training.py``, ``evaluator.py``), batch sizes (``data/plan.py``)
+nor the checks of a model's outputs before the first step (``validation.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
-from estimax import accumulation
-from estimax import mesh as mesh_lib
 from estimax.errors import CheckpointError, ConfigError
 
 P = ParamSpec("P")
@@ -69,12 +67,3 @@ def check_step(checkpointer, step, what: str) -> None:
             f"it has steps {steps or 'none'}. Fix: pass one of those steps, a checkpoint path, or "
             "checkpoint=None for the current state."
         )
-
-
-def check_batch_sizes(config, layout, mesh) -> None:
-    """The train, eval and predict batch sizes split over the devices (and into micro-batches)."""
-    if config.grad_accum_steps > 1:  # first: its nearest sizes also split over the devices
-        accumulation.check_batch_size(config.train_batch_size, config.grad_accum_steps, layout.batch)
-    mesh_lib.check_batch_size("train_batch_size", config.train_batch_size, mesh)
-    mesh_lib.check_batch_size("eval_batch_size", config.global_eval_batch_size, mesh)
-    mesh_lib.check_batch_size("predict_batch_size", config.global_predict_batch_size, mesh)

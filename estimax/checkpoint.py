@@ -69,6 +69,7 @@ class Checkpointer:
         self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
         self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
         self._moved_aside: dict[int, str] = {}
+        self._saving: int | None = None  # the step of the latest save started
         self._primary = True
 
     def _open(self, read_only: bool) -> ocp.CheckpointManager:
@@ -139,11 +140,11 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def committed_step(self) -> int | None:
-        """The newest step whose save has completed (``latest_step`` counts one still in flight)."""
-        steps = sorted(self.steps())
-        if steps and self._manager.is_saving_in_progress():
-            steps.pop()
-        return steps[-1] if steps else None
+        """The latest step whose save has finished, from memory (no call to the store)."""
+        steps = set(self._manager.all_steps())
+        if not self.read_only and self._manager.is_saving_in_progress():
+            steps.discard(self._saving)  # Orbax may list it before it is finished
+        return max(steps, default=None)
 
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
@@ -168,6 +169,7 @@ class Checkpointer:
         if loop is not None:
             meta["loop"] = loop
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self._saving = step
         with self._disk_errors():
             self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()

@@ -43,6 +43,7 @@ class CurrentState:
         self.input_state = None  # the input position a restored checkpoint or the last loop left
         self.origin: str | None = None  # "initial", "warm_start", "restored" or "trained"
         self.loop: str | None = None  # the device loop ("scan" or "step") the restored checkpoint was trained with
+        self.restored: dict | None = None  # the metadata of the checkpoint last restored (its run record, ...)
         self._seen_latest: int | None = None
         self._warned = False
 
@@ -55,7 +56,7 @@ class CurrentState:
             self._seen_latest = latest
             self.state, meta = checkpoints.restore(self.shapes())
             self.step, self.input_state, self.origin = meta["step"], meta.get("input_state"), "restored"
-            self.loop = meta.get("loop")
+            self.loop, self.restored = meta.get("loop"), meta
             run_record.warn_on_resume(meta.get("run"), self.run_meta, self.step, checkpoints.directory)
         elif self.state is None:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"

@@ -230,6 +230,27 @@ class Sync:
                 "process 0's log."
             ) from error
 
+    def gather(self, what: str, value: str) -> list[str]:
+        """Every process's ``value``, in process order (a collective: each process calls it once
+        at the same point); with one process, ``[value]``."""
+        if self._client is None:
+            return [value]
+        self._count += 1
+        key = f"estimax/gather/{self._count}/"
+        self._client.key_value_set(f"{key}{jax.process_index()}", value)
+        self.status(f"waiting for every process ({what})")
+        try:
+            return [
+                self._client.blocking_key_value_get(f"{key}{p}", int(self.timeout_seconds * 1000))
+                for p in range(jax.process_count())
+            ]
+        except Exception as error:
+            raise SyncTimeoutError(
+                f"Process {jax.process_index()} waited {self.timeout_seconds:g} s for every process ({what}); "
+                f"JAX said: {str(error).splitlines()[0] if str(error) else type(error).__name__}. Fix: look at "
+                "the other processes' logs."
+            ) from error
+
     def _late(self, what: str, arrived: str, waited: float, error: Exception) -> str:
         statuses = {}
         try:

@@ -24,6 +24,10 @@ class InputError(EstimaxError, ValueError):
     """An input source or batch that does not fit (shapes, sizes, corrupt records)."""
 
 
+class InputKindError(InputError, TypeError):
+    """An input of a kind that cannot serve this use (epochs of an input of unknown size, ...)."""
+
+
 class ModelFnError(EstimaxError, ValueError):
     """The model_fn failed on the input it received."""
 
@@ -34,6 +38,18 @@ class CheckpointError(EstimaxError, ValueError):
 
 class StorageError(EstimaxError, OSError):
     """A path or URL that cannot be used: missing client library, credentials, bucket, permission."""
+
+
+STORE_FAILURE_EXIT_CODE = 74
+"""The exit status of the ``estimax`` command when the store stopped answering mid-run or another
+process took the model_dir's lease over (``EX_IOERR``): distinct from a preemption (75), a mistake in
+the input (2) and a bug (1)."""
+
+
+class StoreUnavailableError(StorageError):
+    """The store did not answer an operation on the model_dir's lock within its deadline."""
+
+    exit_code = STORE_FAILURE_EXIT_CODE
 
 
 class DistributedError(EstimaxError, RuntimeError):
@@ -60,6 +76,13 @@ class ModelDirLockedError(EstimaxError, RuntimeError):
     """Another process writes into this model_dir."""
 
 
+class LeaseLostError(ModelDirLockedError):
+    """Another process took over the model_dir's lease while this one held it (this one was paused,
+    starved or cut off for longer than the lease): this one has stopped writing."""
+
+    exit_code = STORE_FAILURE_EXIT_CODE
+
+
 class ModelDirNotWritableError(EstimaxError, PermissionError):
     """The model_dir cannot be written (permissions, a read-only file system, a full disk)."""
 
@@ -70,6 +93,12 @@ class ServingError(EstimaxError, ValueError):
 
 class ArtifactError(ServingError):
     """An exported model that cannot be loaded: missing, truncated or altered files."""
+
+
+def one_line(error: BaseException) -> str:
+    """``"KeyError: 'x'"``: an error as a message quotes it, on one line."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 ModelDirLocked = ModelDirLockedError

@@ -14,17 +14,17 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, calls, compile_cache, recording, report, run_record, validation
+from estimax import accumulation, calls, compile_cache, recording, report, resize, run_record, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
-from estimax import training as training_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import CurrentState, UntrainedWarning  # noqa: F401 (UntrainedWarning: public here)
 from estimax.data import feed
+from estimax.data.plan import Plan
 from estimax.distributed import Sync
 from estimax.evaluator import Evaluator
 from estimax.hooks import EarlyStopping, Hook, RunInfo, may_stop
@@ -33,6 +33,7 @@ from estimax.models import resolve as resolve_model
 from estimax.profiling import Profiler
 from estimax.run_dir import open_run_dir
 from estimax.serving import export as export_lib
+from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
 from estimax.step import Core
 from estimax.training import Evaluation, TrainingLoop
@@ -81,8 +82,8 @@ class Estimator:
             optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
         self.params = dict(params or {})
         compile_cache.enable(config.compilation_cache)
-        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer)
         self.mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
+        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer, resize.shape(self.mesh))
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
             self._core = Core(
@@ -104,11 +105,11 @@ class Estimator:
         self._host_metrics = host_metrics
         self._tracker_runs: dict = {}  # tracker -> run id: one tracker run per Estimator (and model_dir)
         self._current = CurrentState(self.run_dir, self.state_shapes, self._initialise, warm_start, self._run_record)
-        self._features = export_lib.FeatureRecorder()  # the shapes of the last input seen, for export()
+        self._plan = Plan(config, self.layout, self._sync)
         self._param_names = leaf_names(self._abstract_state.params)
         accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
-        self._evaluator = Evaluator(self._core, self.layout, self._features.wrap, config.quiet)
+        self._evaluator = Evaluator(self._core, self.layout, self._plan, config.quiet)
         report.ensure_console()
 
     # -- state ---------------------------------------------------------------
@@ -146,6 +147,12 @@ class Estimator:
         """What has been compiled so far: the device loop training runs, and how many programs
         of each kind (``estimax.loop.Compiled``)."""
         return Compiled.of(self.config.loop, self._train_runner, self._evaluator.runner)
+
+    @property
+    def plan(self) -> Plan:
+        """The input side (``estimax.data.plan.Plan``): each mode's global and host batch, the
+        batches on the mesh, the epoch arithmetic and the feature shapes of the last input."""
+        return self._plan
 
     def sharding_plan(self) -> layout_lib.ShardingPlan:
         """Where every parameter lives: rows with ``path``, ``shape``, ``dtype``, ``spec``,
@@ -218,9 +225,7 @@ class Estimator:
         best = config_lib.best_from(best, deprecated)
         every = eval_every_steps
         if eval_every_epochs is not None:
-            every = eval_every_epochs * training_lib.steps_per_epoch(
-                train_input, self.config.train_batch_size // jax.process_count()
-            )
+            every = eval_every_epochs * self._plan.steps_per_epoch(train_input)
         hooks = validation.check_hooks(hooks)
         if best is not None and best.patience is not None:
             hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
@@ -242,22 +247,23 @@ class Estimator:
 
     def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None):
         hooks = validation.check_hooks(hooks)
-        calls.check_batch_sizes(self.config, self.layout, self.mesh)
+        self._plan.check(TRAIN, EVAL, PREDICT)
         with self.run_dir.writing(self._sync, evaluation.best if evaluation is not None else None):
             return self._train_steps(input, lengths, hooks, evaluation)
 
     def _train_steps(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None):
         cfg = self.config
-        host_batch = cfg.train_batch_size // jax.process_count()
         state = self._current.current()
         if jax.process_count() > 1:
             self._sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
             self.run_dir.checkpoints.refresh()
         start = self._current.step
-        target, per_epoch = training_lib.target_step(start, *lengths, input, host_batch)
+        target, per_epoch = self._plan.target_step(start, *lengths, input)
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
+        restored = self._current.restored if self._current.origin == "restored" else None
+        resized = resize.resumed(self._plan, input, restored, self._run_record["shape"], start)
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,
@@ -273,19 +279,19 @@ class Estimator:
         if self._current.loop is not None:
             self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
-        hooks = recording.builtin_hooks(self.config, self._writers(), self.mesh.size) + list(hooks)
+        writers = self._writers()
+        if resized is not None:
+            for writer in writers:
+                writer.write("resize", start, resized)
+        hooks = recording.builtin_hooks(self.config, writers, self.mesh.size) + list(hooks)
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
-            profiler=profiler, sync=self._sync, exact_stops=exact_stops,
+            profiler=profiler, sync=self._sync, exact_stops=exact_stops, saved_position=self._plan.saved_position,
+            fence=self.run_dir.fence,
         )  # fmt: skip
-        chunk_sizes = [min(cfg.steps_per_loop, target - s) for s in range(start, target, cfg.steps_per_loop)]
-        stacks = feed.train_stacks(
-            input, host_batch, chunk_sizes, seed=cfg.seed, start_step=start, input_state=self._current.input_state
-        )
-
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, self.run_dir.url)
-        chunks = self._features.wrap(feed.train_chunks(stacks, self.mesh, cfg.train_batch_size), stacked=True)
+        chunks = self._plan.train_chunks(input, start, target, self._current.input_state)
         with feed.Prefetch(chunks) as chunks:
             try:
                 loop.run(state, info, chunks, self._current.publish, evaluation)
@@ -330,13 +336,12 @@ class Estimator:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
         state = self._at(checkpoint, "evaluate")
-        return self._evaluator.states(input, state, self.config.global_eval_batch_size, steps=steps)[0]
+        return self._evaluator.states(input, state, steps=steps)[0]
 
     def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
         return self._evaluator.results(
-            input, state, self.config.global_eval_batch_size, steps=steps, should_stop=should_stop,
-            host_metrics=host_metrics or self._host_metrics,
-        )  # fmt: skip
+            input, state, steps=steps, should_stop=should_stop, host_metrics=host_metrics or self._host_metrics
+        )
 
     @calls.one_thread_at_a_time
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
@@ -350,7 +355,7 @@ class Estimator:
         model_dir or a checkpoint path; default: the current state.
         """
         state = self._at(checkpoint, "predict")
-        return self._evaluator.predict(input, state, self.config.global_predict_batch_size, gather)
+        return self._evaluator.predict(input, state, gather)
 
     # -- export ------------------------------------------------------------------
     @calls.one_thread_at_a_time
@@ -372,16 +377,7 @@ class Estimator:
         """
         if format not in ("jax", "tf_saved_model"):
             raise ValueError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
-        if example_features is not None:
-            features = export_lib.feature_spec(getattr(example_features, "features", example_features))
-        elif self._features.spec is not None:
-            features = self._features.spec
-        else:
-            raise ValueError(
-                "export() needs the shape and dtype of each feature, and this Estimator has not seen any input "
-                "yet. Fix: pass a batch, e.g. `est.export(path, example_features={'image': images[:1]})`, or "
-                "call train/evaluate/predict first."
-            )
+        features = self._plan.export_features(example_features)
         state = self._at(checkpoint, "export")
         if format == "tf_saved_model":
             from estimax.serving import export_tf

@@ -23,20 +23,15 @@ import jax
 
 from estimax import counting
 from estimax import host_metrics as host_metrics_lib
-from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
-from estimax.errors import EstimaxError, EvaluationError, InputError
+from estimax.errors import EstimaxError, EvaluationError, InputError, one_line
 from estimax.loop import EvalRunner
 from estimax.progress import EvalProgress
+from estimax.spec import EVAL, PREDICT
 from estimax.state import has_deleted_arrays
-
-
-def _describe(error: BaseException) -> str:
-    text = " ".join(str(error).split())  # one line
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _where(fn) -> str:
@@ -57,7 +52,7 @@ def _named_host_metrics(host_metrics: Callable) -> Callable:
         except Exception as error:
             keys = f"; its outputs hold the keys {sorted(outputs)}" if isinstance(error, KeyError) else ""
             raise EvaluationError(
-                f"The host_metrics function {_where(host_metrics)} raised {_describe(error)}{keys}. "
+                f"The host_metrics function {_where(host_metrics)} raised {one_line(error)}{keys}. "
                 "Fix: correct that function (outputs holds the Spec(eval_outputs=...) arrays of every example)."
             ) from error
 
@@ -71,28 +66,9 @@ def _metric_results(name: str, state) -> dict[str, float]:
         raise
     except Exception as error:
         raise EvaluationError(
-            f"The compute() of metric {name!r} ({type(state).__name__}) raised {_describe(error)}. "
+            f"The compute() of metric {name!r} ({type(state).__name__}) raised {one_line(error)}. "
             "Fix: correct that metric's compute (it receives the state merged over every evaluation batch)."
         ) from error
-
-
-def _named_input(batches: Iterator) -> Iterator:
-    """The evaluation input's batches; an error reading them names the input and how far it got."""
-    count = 0
-    while True:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            return
-        except (EstimaxError, TypeError, ValueError):
-            raise  # the input checks' own errors name the example and the fix already
-        except Exception as error:
-            raise EvaluationError(
-                f"The evaluation input raised {_describe(error)} reading batch {count + 1} "
-                f"(after {count} batches). Fix: correct the evaluation input, or evaluate fewer batches (steps=)."
-            ) from error
-        count += 1
-        yield batch
 
 
 def _check_not_donated(state, step: int) -> None:
@@ -108,12 +84,11 @@ def _check_not_donated(state, step: int) -> None:
 class Evaluator:
     """Evaluates and predicts for an Estimator.
 
-    ``note_features(items)``: wraps the device batches so that the first one's feature shapes are
-    remembered (for ``export``); ``quiet``: no progress bar.
+    ``plan``: the Estimator's input ``Plan``, which gives the batches; ``quiet``: no progress bar.
     """
 
-    def __init__(self, core, layout, note_features: Callable[[Iterator], Iterator], quiet: bool):
-        self.core, self.layout, self.note_features, self.quiet = core, layout, note_features, quiet
+    def __init__(self, core, layout, plan, quiet: bool):
+        self.core, self.layout, self.plan, self.quiet = core, layout, plan, quiet
         self._runner: EvalRunner | None = None
 
     @property
@@ -123,13 +98,11 @@ class Evaluator:
         return self._runner
 
     def results(
-        self, input, state, batch_size: int, *, steps=None, should_stop=None, host_metrics: Callable | None = None
+        self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None
     ) -> dict[str, float] | None:
         """The metrics of ``state`` on ``input`` (``num_examples`` last); ``None`` if ``should_stop()``
         interrupted it."""
-        totals, rows = self.states(
-            input, state, batch_size, steps=steps, should_stop=should_stop, rows=bool(host_metrics)
-        )
+        totals, rows = self.states(input, state, steps=steps, should_stop=should_stop, rows=bool(host_metrics))
         if totals is None:
             return None
         results = {}
@@ -139,18 +112,15 @@ class Evaluator:
             results.update(host_metrics_lib.results(_named_host_metrics(host_metrics), rows.rows(), results))
         return results
 
-    def states(self, input, state, batch_size: int, *, steps=None, should_stop=None, rows: bool = False):
+    def states(self, input, state, *, steps=None, should_stop=None, rows: bool = False):
         """``(metric states by name, OutputRows or None)``; ``(None, None)`` if ``should_stop()``
         interrupted it."""
-        mesh = self.layout.mesh
-        mesh_lib.check_batch_size("eval_batch_size", batch_size, mesh)
-        batches = _named_input(iter(feed.eval_batches(input, batch_size // jax.process_count())))
+        device_batches = self.plan.eval_batches(input, EVAL)
         if steps is not None:
-            batches = itertools.islice(batches, steps)
+            device_batches = itertools.islice(device_batches, steps)
         outputs = host_metrics_lib.OutputRows() if rows else None
-        device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
         with feed.Prefetch(device_batches) as device_batches:
-            bar = self._bar(input, batch_size, steps)
+            bar = self._bar(input, self.plan.global_batch(EVAL), steps)
             try:
                 totals = self.runner.totals(state, bar.wrap(device_batches), should_stop, outputs)
             finally:
@@ -164,14 +134,11 @@ class Evaluator:
             )
         return totals, outputs
 
-    def predict(self, input, state, batch_size: int, gather: bool) -> Iterator:
+    def predict(self, input, state, gather: bool) -> Iterator:
         """One prediction per example, in input order (see ``Estimator.predict``)."""
-        mesh = self.layout.mesh
-        mesh_lib.check_batch_size("predict_batch_size", batch_size, mesh)
         rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
-        batches = feed.eval_batches(input, batch_size // jax.process_count())
         pending, step = None, int(jax.device_get(state.step))
-        device_batches = self.note_features(feed.eval_device_batches(batches, mesh, batch_size))
+        device_batches = self.plan.eval_batches(input, PREDICT)
         with feed.Prefetch(device_batches) as device_batches:
             for db in device_batches:
                 _check_not_donated(state, step)

@@ -3,8 +3,8 @@
 Owns building the mesh over every device of every process (a 1-D ``data``
 mesh by default, or named axes with sizes), which axes split the batch
 (``data`` and ``fsdp``; every other axis is a model axis), the batch
-shardings, the check that a global batch divides the batch axes, and the
-host-local <-> global array steps. Where the state lives is ``layout.py``.
+shardings, and the host-local <-> global array steps. Which batch sizes
+divide the batch axes is ``data/plan.py``'s rule. Where the state lives is ``layout.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-from estimax import counting
 
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
@@ -86,24 +84,6 @@ def batch_sharding(mesh: Mesh, stacked: bool = False) -> NamedSharding:
     axes = batch_axes(mesh)
     rows = axes[0] if len(axes) == 1 else axes
     return NamedSharding(mesh, P(None, rows) if stacked else P(rows))
-
-
-def check_batch_size(name: str, global_batch_size: int, mesh: Mesh) -> None:
-    """Raises unless ``global_batch_size`` splits evenly over the batch axes and processes."""
-    axes = batch_axes(mesh)
-    num_shards = math.prod(mesh.shape[a] for a in axes)
-    if global_batch_size % num_shards == 0 and global_batch_size % jax.process_count() == 0:
-        return
-    nearest = counting.nearest_multiples(global_batch_size, num_shards)
-    over = (
-        "the data axis"
-        if axes == (DATA_AXIS,)
-        else "the batch axes " + " x ".join(f"{a}={mesh.shape[a]}" for a in axes)
-    )
-    raise ValueError(
-        f"RunConfig({name}={global_batch_size}) does not divide the {num_shards} devices "
-        f"of {over}; expected a multiple of {num_shards}. Fix: use {nearest}."
-    )
 
 
 def to_global(host_tree, sharding: NamedSharding, global_batch_size: int):

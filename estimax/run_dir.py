@@ -31,7 +31,13 @@ import jax
 from estimax import storage
 from estimax.checkpoint import CHECKPOINTS, Checkpointer
 from estimax.config import CheckpointPolicy
-from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
+from estimax.errors import (
+    ConfigError,
+    ModelDirLockedError,
+    ModelDirNotWritableError,
+    StorageError,
+    StoreUnavailableError,
+)
 from estimax.lock import lock_for
 
 logger = logging.getLogger("estimax")
@@ -59,6 +65,7 @@ class RunDir:
         self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True)
         self.checkpoints.run_meta = dict(run_meta or {})
         self.lock = lock_for(self.url)
+        self.lock.committed_step = self.checkpoints.committed_step  # what a lost lease says to resume from
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -92,10 +99,16 @@ class RunDir:
         from estimax.writer_thread import InBackground
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
-        writers: list = [InBackground(JsonlWriter(self.path(METRICS)), self.path(METRICS))]
+        writable = self.lock.writable  # nothing is written once the lease is lost
+        writers: list = [InBackground(JsonlWriter(self.path(METRICS)), self.path(METRICS), writable)]
         if tensorboard:
-            writers.append(InBackground(TensorBoardWriter(self.path(TENSORBOARD)), self.path(TENSORBOARD)))
+            writers.append(InBackground(TensorBoardWriter(self.path(TENSORBOARD)), self.path(TENSORBOARD), writable))
         return writers
+
+    def fence(self) -> None:
+        """Raises once this process cannot prove it still holds the model_dir's lease (``lease.py``):
+        training calls it before every save and at every loop boundary."""
+        self.lock.check()
 
     @contextlib.contextmanager
     def writing(self, sync, best: Checkpointer | None = None):
@@ -114,6 +127,7 @@ class RunDir:
             raise {
                 "ModelDirLockedError": ModelDirLockedError,
                 "ModelDirNotWritableError": ModelDirNotWritableError,
+                "StoreUnavailableError": StoreUnavailableError,
             }.get(kind, StorageError)(text)
         try:
             self.checkpoints.open_for_writing(primary)
@@ -127,7 +141,7 @@ class RunDir:
                 self.checkpoints.close_for_writing()
             finally:
                 if primary:
-                    self.lock.release()
+                    self.lock.release()  # never raises: the error in flight, if any, is the one reported
 
     @contextlib.contextmanager
     def recording(self, what: str):
@@ -205,6 +219,9 @@ class NoRunDir:
 
     def file_writers(self, tensorboard: bool) -> list:
         return []
+
+    def fence(self) -> None:
+        pass  # no lock to lose
 
     @contextlib.contextmanager
     def writing(self, sync, best=None):

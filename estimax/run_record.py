@@ -1,8 +1,8 @@
 """What a checkpoint records about how its run was set up, and what changed on resume.
 
 Owns the small ``run`` record saved with every checkpoint (the global train
-batch size, the seed and the optimizer's hyper-parameters, read from the
-closures of the optax transformation) and the warning a resumed run gives
+batch size, the seed, the optimizer's hyper-parameters, read from the
+closures of the optax transformation, and the shape: processes, devices, mesh) and the warning a resumed run gives
 when its own setup differs. A differing model or optimizer *structure* is an
 error of ``checkpoint.py``; these differences still restore, but the resumed
 run no longer continues the saved one exactly, so they are said.
@@ -19,8 +19,10 @@ logger = logging.getLogger("estimax")
 _NOISE = re.compile(r"^(tx|inner|init|update|step_size_fn|init_fn|update_fn)$")
 
 
-def record(train_batch_size: int, seed: int, optimizer) -> dict:
-    return {"train_batch_size": train_batch_size, "seed": seed, "optimizer": optimizer_hyperparameters(optimizer)}
+def record(train_batch_size: int, seed: int, optimizer, shape: dict | None = None) -> dict:
+    """The run record; ``shape``: the processes, devices and mesh it trains on (``resize.shape``)."""
+    found = {"train_batch_size": train_batch_size, "seed": seed, "optimizer": optimizer_hyperparameters(optimizer)}
+    return found if shape is None else {**found, "shape": shape}
 
 
 def optimizer_hyperparameters(optimizer) -> dict[str, float | int | str | bool | None]:

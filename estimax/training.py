@@ -16,15 +16,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
 from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
-from estimax.data.source import SizedSource
 from estimax.distributed import Sync
-from estimax.errors import ConfigError, NonFiniteError
+from estimax.errors import ConfigError, LeaseLostError, NonFiniteError, StoreUnavailableError
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
@@ -102,10 +100,14 @@ class TrainingLoop:
         profiler: Profiler,
         sync: Sync | None = None,
         exact_stops: bool | None = None,
+        saved_position: Callable = lambda position: position,
+        fence: Callable[[], None] = lambda: None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
+        self.saved_position = saved_position  # what a checkpoint keeps of the input's position
+        self.fence = fence  # raises once the model_dir's lease is lost: nothing more may be written
         # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
         self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
@@ -176,6 +178,7 @@ class TrainingLoop:
         device's idle seconds before this dispatch) is reported with the next loop read.
         """
         before, step = current.step_before, current.step_after
+        self.fence()
         due, stop = self.checkpointer.due(before, step), False
         with self._saving_on_error(state, current, due):
             if unread is not None:
@@ -224,8 +227,8 @@ class TrainingLoop:
         the checkpoint that was due there: it is saved, then the error goes on."""
         try:
             yield
-        except NonFiniteError:
-            raise  # never save a state that came out of a NaN
+        except (NonFiniteError, LeaseLostError, StoreUnavailableError):
+            raise  # never save a state that came out of a NaN, nor without the lease
         except Exception:
             if due and loop is not None:
                 self._save(state, loop)
@@ -286,7 +289,8 @@ class TrainingLoop:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
-        self.checkpointer.save(loop.step_after, state, loop.input_state, loop=self.runner.loop)
+        self.fence()
+        self.checkpointer.save(loop.step_after, state, self.saved_position(loop.input_state), loop=self.runner.loop)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
         self.laps.pause(elapsed)
@@ -315,7 +319,8 @@ class TrainingLoop:
                     f"Best(metric={evaluation.best_metric!r}) is not among the evaluation's metrics "
                     f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
                 )
-            evaluation.best.save(loop.step_after, state, loop.input_state, metrics=metrics)
+            self.fence()
+            evaluation.best.save(loop.step_after, state, self.saved_position(loop.input_state), metrics=metrics)
         return stop and not final
 
     def _end(self, step: int, wall: float) -> None:
@@ -331,40 +336,3 @@ class TrainingLoop:
         )
         for hook in self.hooks:
             hook.end(summary)
-
-
-def target_step(start, max_steps, steps, epochs, input, host_batch) -> tuple[int, int | None]:
-    """``(target step, steps per epoch or None)`` of a train call."""
-    given = {k: v for k, v in (("max_steps", max_steps), ("steps", steps), ("epochs", epochs)) if v is not None}
-    if len(given) != 1:
-        raise ValueError(
-            f"train() received {given or 'none of max_steps, steps, epochs'}; "
-            "expected exactly one of them, e.g. `train(data, max_steps=1000)`."
-        )
-    ((name, value),) = given.items()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"train({name}={value!r}) must be a non-negative integer.")
-    per_epoch = steps_per_epoch(input, host_batch, required=name == "epochs")
-    if name == "max_steps":
-        return value, per_epoch
-    if name == "steps":
-        return start + value, per_epoch
-    dropped = len(input) - per_epoch * host_batch * jax.process_count()
-    logger.info(
-        "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",
-        per_epoch,
-        host_batch * jax.process_count(),
-        dropped,
-    )
-    return value * per_epoch, per_epoch
-
-
-def steps_per_epoch(input, host_batch: int, required: bool = True) -> int | None:
-    if not isinstance(input, SizedSource):
-        if not required:
-            return None
-        raise TypeError(
-            f"Counting in epochs needs an input of known size, e.g. estimax.data.from_arrays; "
-            f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every_steps)."
-        )
-    return input.steps_per_epoch(host_batch, jax.process_count())

@@ -5,7 +5,7 @@ not need a compiled step: hooks that are not ``Hook``s, and the metric names
 that ``Best`` and early stopping refer to, derived from the abstract
 evaluation outputs (``jax.eval_shape`` of the model_fn in EVAL mode on the
 shapes of the first evaluation batch: nothing is evaluated). Batch sizes are
-checked by ``mesh.check_batch_size``, writability by ``lock.py``.
+checked by ``data/plan.py``, writability by ``lock.py``.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class ConsoleWriter:
         self.train_lines = train_lines
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
-        if split == "summary":  # the training loop logs its own "Done at step ..." line
+        if split in ("summary", "resize"):  # the training loop logs its own lines for these
             return
         if split != "train" or self.train_lines:
             logger.info("%s step %d  %s", split, step, format_values(values))

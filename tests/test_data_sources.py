@@ -13,7 +13,6 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
-from estimax import mesh as mesh_lib
 from estimax.data import feed, tfrecord
 from estimax.loop import TrainRunner
 
@@ -104,7 +103,7 @@ def test_a_process_with_fewer_examples_pads_with_masked_batches():
     assert [len(s) for s in shards] == [2, 2, 2, 2]  # 3, 3, 2, 2 examples
     assert [b[0]["id"].shape[0] for b in shards[3]] == [2, 0]
     # On the device side, an empty batch becomes a fully masked one.
-    (device_batch,) = list(feed.eval_device_batches(iter([shards[3][1]]), mesh_lib.make_mesh(), 8))
+    (device_batch,) = list(estimator(eval_batch_size=8).plan.eval_batches([shards[3][1]]))
     assert device_batch.num_valid == 0 and not np.asarray(device_batch.mask).any()
 
 
@@ -139,10 +138,10 @@ def _iter_dataset():
 
 def test_streaming_input_state_is_taken_after_each_chunk_and_restores_the_rest():
     source = ex.data.from_grain(_iter_dataset())
-    stacks = feed.train_stacks(source, 8, [5] * 8, seed=0, start_step=0)
     full, states = [], []
     # Through the background stage, two chunks ahead: each chunk carries the state after its own batches.
-    with feed.Prefetch(feed.train_chunks(stacks, mesh_lib.make_mesh(), 8)) as chunks:
+    plan = estimator(train_batch_size=8, steps_per_loop=5).plan
+    with feed.Prefetch(plan.train_chunks(source, 0, 40)) as chunks:
         for chunk in chunks:
             full.append(np.asarray(chunk.stack[0]["id"]))
             states.append(chunk.input_state)

@@ -17,7 +17,8 @@ import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
 from estimax.errors import StorageError
-from estimax.lock import LeaseLock, holder_record
+from estimax.lease import LeaseLock
+from estimax.lock import holder_record
 
 DATA = blobs(256)
 

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -212,3 +213,12 @@ def test_tensorboard_has_every_step_of_a_200_step_run(model_dir):
     norms = events.Scalars("grad_norm")
     assert {50, 100, 150, 200} <= {e.step for e in norms} and all(np.isfinite(e.value) for e in norms)
     assert [r["step"] for r in _records(model_dir, "train")] == [100, 200]  # the file keeps its cadence
+
+
+def test_the_count_of_compiled_programs_reads_a_private_jax_name_that_still_exists():
+    """``Estimator.compiled()`` counts compiled programs through ``_cache_size()`` of JAX's jitted
+    functions, which JAX does not make public; training never reads it. If this fails, JAX moved
+    it: ``estimax.loop._count`` then reports -1, and ``compiled()``'s counts need another source."""
+    f = jax.jit(lambda x: x + 1)
+    f(1.0), f(np.ones(2, np.float32))
+    assert callable(getattr(f, "_cache_size", None)) and f._cache_size() == 2

@@ -7,7 +7,7 @@ no task trains the digits CNN and evaluates its held-out split.
 
 Owns parsing and checking the arguments (without importing JAX, so that
 ``--help`` and mistakes answer at once) and printing estimax's errors as one
-line (exit 2; ``--debug`` shows the traceback). The run-setting flags are
+line (exit 2, or 74 for a store fault; ``--debug`` shows the traceback). The run-setting flags are
 ``flags.py``'s.
 Owns no training: the commands call the ``Estimator``.
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"estimax: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return USER_ERROR_EXIT
+        return getattr(error, "exit_code", USER_ERROR_EXIT)  # a store fault has its own (74)
     except KeyboardInterrupt:  # a third Ctrl-C (two stop and save): at once, without a traceback
         if args.debug:
             raise

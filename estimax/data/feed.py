@@ -1,11 +1,11 @@
-"""From a user's input to arrays on the mesh, without stalling the device.
+"""From a user's input to host batches, without stalling the device.
 
 Owns: turning any supported input into host-local batches (checked by
-``checks``), padding evaluation batches with a mask, stacking
-``steps_per_loop`` training batches with the input position after them, and
-building the next stack on a background thread while the device runs (timing
-how long the consumer waits for it). Does not own shuffling or file formats
-(the sources do) nor device loops.
+``checks``), stacking ``steps_per_loop`` training batches with the input
+position after them, and building the next item on a background thread while
+the device runs (timing how long the consumer waits for it). Does not own
+shuffling or file formats (the sources do), placing batches on the mesh and
+padding them (``plan.py``) nor device loops.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from estimax import mesh as mesh_lib
 from estimax.data.checks import BatchChecker, check_pair, check_source
 from estimax.data.source import Source
 
-__all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "train_stacks", "eval_batches"]
+__all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "eval_batches", "rows", "train_stacks"]
 
 
 class DeviceChunk(NamedTuple):
@@ -139,7 +138,7 @@ def eval_batches(
 
     Sources of known size yield the same number of batches on every process
     (the most any process needs): a process with fewer examples ends with
-    short or empty batches, padded and fully masked by ``eval_device_batches``,
+    short or empty batches, padded and fully masked by ``plan.Plan.eval_batches``,
     so that every process runs the same steps and each example counts once.
     Plain iterables must yield the same number of batches on every process.
     """
@@ -182,19 +181,20 @@ def _iterate(source) -> Iterator:
 def _drop_final_partial(batches: Iterator, size: int) -> Iterator:
     """Training batches must be full; a short last batch is dropped (drop_remainder)."""
     for i, batch in enumerate(batches):
-        rows = _rows(batch)
-        if rows == size:
+        count = rows(batch)
+        if count == size:
             yield batch
-        elif rows < size and next(batches, None) is None:
+        elif count < size and next(batches, None) is None:
             return
         else:
             raise ValueError(
-                f"Training input batch {i} has {rows} rows; expected the host batch size {size} "
+                f"Training input batch {i} has {count} rows; expected the host batch size {size} "
                 "(train_batch_size / process count). Only the last batch may be shorter, and it is dropped."
             )
 
 
-def _rows(batch) -> int:
+def rows(batch) -> int:
+    """The number of examples of a ``(features, labels)`` batch."""
     leaves = jax.tree.leaves(batch[0])
     if not leaves:
         raise ValueError("Input batch has no feature arrays; expected features with one row per example.")
@@ -202,35 +202,7 @@ def _rows(batch) -> int:
     return (np.shape(leaves[0]) if shape is None else shape)[0]
 
 
-# -- host -> device -----------------------------------------------------------
-
-
-def train_chunks(stacks: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceChunk]:
-    """Host stacks of training batches as global arrays on the mesh, each with the input
-    position read right after its batches were drawn (before any later stack is)."""
-    sharding = mesh_lib.batch_sharding(mesh, stacked=True)
-    for stack in stacks:
-        input_state = getattr(stacks, "input_state", None)
-        num_steps = jax.tree.leaves(stack)[0].shape[0]
-        yield DeviceChunk(mesh_lib.to_global(stack, sharding, global_batch_size), num_steps, input_state)
-
-
-def eval_device_batches(batches: Iterator, mesh, global_batch_size: int) -> Iterator[DeviceBatch]:
-    """Global evaluation batches with a mask; the short last batch is padded with zeros."""
-    check, sharding = BatchChecker(), mesh_lib.batch_sharding(mesh)
-    host_size = global_batch_size // jax.process_count()
-    for batch in batches:
-        batch = check(batch)
-        rows = _rows(batch)
-        if rows > host_size:
-            raise ValueError(
-                f"Input batch has {rows} rows; expected at most the host batch size "
-                f"{host_size} (eval/predict batch size / process count)."
-            )
-        padded = jax.tree.map(lambda x, n=host_size - rows: np.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1)), batch)
-        mask = np.arange(host_size) < rows
-        on_mesh = mesh_lib.to_global((padded, mask), sharding, global_batch_size)
-        yield DeviceBatch(on_mesh[0], on_mesh[1], rows, rows < host_size)
+# -- prefetch ------------------------------------------------------------------
 
 
 class Prefetch:

@@ -24,6 +24,7 @@ import numpy as np
 from estimax.data import feed
 from estimax.data import files as files_lib
 from estimax.data.checks import BatchChecker, stack_examples
+from estimax.errors import InputError
 
 Shard = Callable[[int, int], grain.MapDataset]
 
@@ -31,10 +32,14 @@ Shard = Callable[[int, int], grain.MapDataset]
 class MapSource:
     """A random-access input: the batch of step ``s`` is a pure function of the seed and ``s``.
 
-    ``shard(process_index, process_count)`` gives the examples a process
-    reads; every process trains on as many examples per epoch as the smallest
-    shard holds, so that all take the same number of steps.
+    Training draws global batches from one permutation of every example per
+    epoch, and process ``p`` of ``n`` reads the ``p``-th part of each: the
+    global batches do not depend on the number of processes, so a run resumed
+    in another shape continues at the next example. Evaluation reads
+    ``shard(process_index, process_count)``, the examples a process holds.
     """
+
+    kind = "a random-access input (from_grain of a MapDataset, a file reader or a map-style from_hf)"
 
     def __init__(self, shard: Shard, size: int, *, num_workers: int = 0, read_options=None):
         self._shard, self._size = shard, size
@@ -51,7 +56,7 @@ class MapSource:
         return self._shard_sizes[process_count]
 
     def steps_per_epoch(self, host_batch_size: int, process_count: int = 1) -> int:
-        return min(self.shard_sizes(process_count)) // host_batch_size
+        return self._size // (host_batch_size * process_count)
 
     def train_stacks(
         self,
@@ -63,18 +68,21 @@ class MapSource:
         process_index: int = 0,
         process_count: int = 1,
     ) -> Iterator:
-        """Stacks of batches from ``start_step`` on; each epoch a new permutation of this
-        process's shard, cut into full batches (the remainder of the epoch is dropped)."""
-        per_process = min(self.shard_sizes(process_count))
-        if per_process < host_batch_size:
-            raise ValueError(
-                f"The training set has {per_process} examples per process, fewer than one batch of "
-                f"{host_batch_size}; expected at least one full batch. Fix: lower train_batch_size."
+        """Stacks of batches from ``start_step`` on; each epoch a new permutation of every example,
+        cut into full global batches (the remainder of the epoch is dropped)."""
+        global_batch = host_batch_size * process_count
+        if self._size < global_batch:
+            raise InputError(
+                f"The training set has {self._size} examples, fewer than one batch of {global_batch} "
+                "(train_batch_size, over all processes); expected at least one full batch. "
+                "Fix: lower train_batch_size."
             )
-        epoch = self._shard(process_index, process_count)[:per_process].shuffle(seed % 2**32)
-        steps = epoch.batch(host_batch_size, drop_remainder=True, batch_fn=stack_examples).repeat()
+        # Grain's shuffle gives index i of epoch e (i + e * size) the e-th permutation's i-th example.
+        order = _GlobalOrder(self._shard(0, 1).shuffle(seed % 2**32), global_batch, host_batch_size, process_index)
+        first = start_step * host_batch_size
+        examples = grain.MapDataset.range(first, first + sum(chunk_sizes) * host_batch_size).map(order)
         # Only the steps this call trains: Grain's read-ahead stops at the end of training.
-        batches = self._read(steps[start_step : start_step + sum(chunk_sizes)])
+        batches = self._read(examples.batch(host_batch_size, drop_remainder=True, batch_fn=stack_examples))
         return _stacks(batches, chunk_sizes)
 
     def eval_batches(self, host_batch_size: int, *, process_index: int = 0, process_count: int = 1) -> Iterator:
@@ -91,6 +99,21 @@ class MapSource:
 
     def _read(self, dataset: grain.MapDataset) -> Iterator:
         return iter(_with_workers(dataset.to_iter_dataset(self.read_options), self.num_workers))
+
+
+class _GlobalOrder:
+    """This process's ``k``-th training example: row ``k % host_batch`` of its part of global batch
+    ``k // host_batch``, read from one shuffled pass per epoch over every example."""
+
+    def __init__(self, shuffled: grain.MapDataset, global_batch: int, host_batch: int, process_index: int):
+        self.shuffled, self.global_batch, self.host_batch = shuffled, global_batch, host_batch
+        self.offset = process_index * host_batch
+        self.per_epoch = len(shuffled) // global_batch  # full global batches; the rest of an epoch is dropped
+
+    def __call__(self, k: int):
+        step, row = divmod(int(k), self.host_batch)
+        epoch, batch = divmod(step, self.per_epoch)
+        return self.shuffled[epoch * len(self.shuffled) + batch * self.global_batch + self.offset + row]
 
 
 def file_source(
@@ -121,11 +144,13 @@ def file_source(
 class IterSource:
     """A streaming input: read in order, its position is Grain's iterator state.
 
-    ``make(process_index, process_count)`` builds the process's pipeline.
+    ``make(process_index, process_count)`` builds the process's pipeline; ``kind`` names the
+    input in errors. Each process's position is its own: a checkpoint keeps every process's,
+    and a run resumed with another number of processes is refused (``plan.py``).
     """
 
-    def __init__(self, make: Callable[[int, int], grain.IterDataset], *, num_workers: int = 0):
-        self._make, self.num_workers = make, num_workers
+    def __init__(self, make: Callable[[int, int], grain.IterDataset], *, num_workers: int = 0, kind: str = "a stream"):
+        self._make, self.num_workers, self.kind = make, num_workers, kind
 
     def train_stacks(
         self,
@@ -207,9 +232,9 @@ def from_grain(dataset, *, num_workers: int = 0, read_options: grain.ReadOptions
                 )
             return dataset
 
-        return IterSource(make, num_workers=num_workers)
+        return IterSource(make, num_workers=num_workers, kind="a Grain IterDataset (from_grain)")
     if callable(dataset):
-        return IterSource(dataset, num_workers=num_workers)
+        return IterSource(dataset, num_workers=num_workers, kind="a Grain IterDataset per process (from_grain)")
     raise TypeError(
         f"from_grain received {type(dataset).__name__}; expected a grain.MapDataset, a grain.IterDataset, "
         "or a function (process_index, process_count) -> grain.IterDataset."

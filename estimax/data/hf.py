@@ -224,7 +224,7 @@ def from_hf(
                 mine = split_dataset_by_node(dataset, rank=process_index, world_size=process_count)
             return Stream(mine, example)
 
-        return IterSource(shard, num_workers=num_workers)
+        return IterSource(shard, num_workers=num_workers, kind="a streaming Hugging Face dataset (from_hf)")
     raise TypeError(
         f"from_hf received {type(dataset).__name__}; expected a datasets.Dataset or datasets.IterableDataset "
         "(e.g. datasets.load_dataset('parquet', data_files=..., split='train'))."

@@ -40,31 +40,10 @@ SINGLE_INPUT, SINGLE_OUTPUT = "features", "predictions"
 _RANDOM_OPS = ("threefry2x32", "rng_bit_generator", "stablehlo.rng ")
 
 
-def feature_spec(features, leading_axes: int = 1):
-    """The per-example shapes and dtypes of ``features`` (the first ``leading_axes`` axes dropped)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x)[leading_axes:], x.dtype), features)
-
-
-class FeatureRecorder:
-    """Remembers each feature's per-example shape and dtype from the first batch of the last input
-    that passed through ``wrap``: what ``Estimator.export()`` traces with when given no example."""
-
-    def __init__(self):
-        self.spec = None
-
-    def wrap(self, items, stacked: bool = False):
-        """``items`` (device batches, or stacks of them) unchanged."""
-        for i, item in enumerate(items):
-            if i == 0:
-                features = (item.stack if stacked else item.batch)[0]
-                self.spec = feature_spec(features, leading_axes=2 if stacked else 1)
-            yield item
-
-
 def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
     """Writes the artifact of ``state`` to ``path`` (replacing an earlier artifact there); returns it.
 
-    ``features``: per-example ``ShapeDtypeStruct``s (``feature_spec``), a dict or one array.
+    ``features``: per-example ``ShapeDtypeStruct``s (``plan.feature_spec``), a dict or one array.
     """
     if jax.process_count() > 1:
         raise ValueError(
