@@ -3,21 +3,22 @@
 Owns telling the survivors of a group that a process is gone. Every process
 but 0 writes a counter into JAX's coordination service every
 ``timeout / 10`` seconds; process 0 watches the counters, and when one has
-not moved for ``timeout`` seconds (the process was killed, froze, or its host
-went away) it publishes one line that names the lost process (its rank and
-host) and the last committed checkpoint step. Every survivor logs that line
-and exits with ``PEER_LOST_EXIT_CODE`` at once, also while its main thread
-waits in a collective that will never finish. A process that ends its
-program normally says so first, so that it is not taken for lost.
+not moved for ``timeout`` seconds (the process was killed, froze, ended on
+an error, or its host went away) it gives each survivor one line that names
+the lost process (its rank and host) and the last committed checkpoint
+step. Every survivor logs that line and exits with ``PEER_LOST_EXIT_CODE`` at
+once, also while its main thread waits in a collective that will never
+finish. A process that ends its program normally says so first, so that it
+is not taken for lost.
 
 Why estimax's own heartbeat: JAX's reaction to a lost process is to abort
 every other one from C++ (SIGABRT, "Terminating process because the JAX
 distributed service detected fatal errors"), and the callback it would call
 instead cannot be a Python function (jaxlib cannot pass it the status: the
 process ends on ``std::bad_cast``). So JAX's heartbeat is set to three times
-estimax's bound and stays as the backstop. The loss of process 0 itself is
-JAX's to report: it hosts the coordination service, and JAX aborts the others
-within a second of its end, before any Python code can run.
+estimax's timeout and stays as the backstop. When process 0 itself is lost,
+the coordination service it hosts goes with it: each survivor notices within
+a second, and its line races JAX's abort.
 
 Does not own forming the group (``distributed.py``) nor starting it again
 (``cli/launch.py``, a cluster manager): the same command resumes from the
