@@ -1,7 +1,7 @@
 """A lost process of a group, with real processes on 127.0.0.1: the survivors name it and stop.
 
 The bound is short here (ESTIMAX_PEER_TIMEOUT_SECONDS=2); each test prints the time from the
-signal to the last survivor's exit, which the clusters guide quotes.
+signal to the last survivor's exit (benchmarks/peer_loss.py measures it for the clusters guide).
 """
 
 import os
