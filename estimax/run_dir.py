@@ -192,6 +192,9 @@ class NoCheckpoints:
     def latest_step(self) -> None:
         return None
 
+    def committed_step(self) -> None:
+        return None
+
     def steps(self) -> list[int]:
         return []
 

@@ -129,6 +129,7 @@ class TrainingLoop:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {info.start_step})")
+        self.sync.track_checkpoints(self.checkpointer.committed_step)  # named if a process is lost
         try:
             with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
                 state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
