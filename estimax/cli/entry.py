@@ -24,6 +24,8 @@ import argparse
 import signal
 import sys
 
+from estimax.cli import predict_file
+from estimax.cli import task as task_lib
 from estimax.cli.flags import RUN_FLAGS, non_negative_int, positive_int
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
@@ -31,8 +33,9 @@ DEFAULT_EXAMPLE = "digits"
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 DOCS_EPILOG = (
-    "Documentation: docs/ in the source tree (mkdocs serve shows it as a site): docs/getting-started.md, "
-    "docs/guides/command-line.md (every flag), docs/guides/task-modules.md (your own program)."
+    "Documentation: docs/ in the source tree (`pip install 'estimax[docs]'`, then `mkdocs serve` there shows it "
+    "as a site): docs/getting-started.md, docs/guides/command-line.md (every flag), docs/guides/task-modules.md "
+    "(your own program)."
 )
 
 
@@ -46,12 +49,22 @@ def _parser() -> argparse.ArgumentParser:
         ("predict", "predict the held-out input with the latest checkpoint"),
         ("export", "write a checkpoint as a self-contained artifact (estimax serve, estimax.serving.load)"),
     ):
-        sub = commands.add_parser(name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}")
+        sub = commands.add_parser(
+            name, help=help_text, description=f"{help_text.capitalize()}. {FLAG_DEFAULTS}", epilog=DOCS_EPILOG
+        )
         add_task_arguments(sub, name)
         if name == "train":
-            sub.add_argument("--max-steps", type=non_negative_int, help="train until this step")
+            length = sub.add_mutually_exclusive_group()
+            length.add_argument("--max-steps", type=non_negative_int, help="train until this step")
+            length.add_argument("--epochs", type=positive_int, help="train until N epochs are done (counted from 0)")
             sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
+            sub.add_argument(
+                "--warm-start", metavar="DIR", help="a new run starts from the parameters of this run's checkpoint"
+            )
         if name == "predict":
+            sub.add_argument(
+                "--input", metavar="FILE", help=f"predict this file instead ({', '.join(predict_file.FORMATS)})"
+            )
             sub.add_argument("--output", help="write one JSON line per example here (default: a summary)")
         if name == "export":
             sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
@@ -77,7 +90,11 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     sub.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", type=_assignment, help="override params[NAME]"
     )
-    sub.add_argument("--model-dir", help="checkpoints and metrics.jsonl (default: runs/<task>)")
+    sub.add_argument(
+        "--model-dir",
+        help="the run's directory (default: under runs/<task>: a new numbered run for a changed model; "
+        "evaluate, predict and export take the latest)",
+    )
     for run_flag in RUN_FLAGS:
         if command in run_flag.commands:
             sub.add_argument(*run_flag.flags, dest=run_flag.field, help=run_flag.help, **run_flag.options)
@@ -147,6 +164,15 @@ def check_arguments(args: argparse.Namespace) -> None:
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
         error(f"--set {', '.join(repeated)} given more than once; expected each name once")
+    if getattr(args, "input", None):
+        try:
+            predict_file.check(args.input)
+        except ValueError as problem:
+            error(str(problem))
+    try:
+        task_lib.check_sets(args.task, args.set)  # from the task's source: before its imports (JAX)
+    except ValueError as problem:
+        error(str(problem))
 
 
 def main(argv: list[str] | None = None) -> int:
