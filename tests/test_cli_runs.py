@@ -5,11 +5,13 @@ under the default directory is a new numbered run, a run remembers its --set val
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,3 +143,31 @@ def test_a_changed_model_is_a_new_run_and_a_run_remembers_its_set_values(tmp_pat
     # ... which work: a new run that starts from the old run's weights that still fit.
     warm = _ok("train", "blobs.py", "--model-dir", "runs/warm", "--warm-start", "runs/blobs", cwd=tmp_path)
     assert "warm start: 3 loaded" in warm, warm
+
+
+def test_one_progress_bar_in_a_terminal_with_the_log_lines_above_it(tmp_path):
+    if shutil.which("tmux") is None:
+        pytest.skip("needs tmux: a real terminal for the progress bar")
+    (tmp_path / "blobs.py").write_text(TASK)
+    socket, raw = f"estimax-{os.getpid()}", tmp_path / "raw.txt"
+    tmux = ["tmux", "-L", socket]
+    command = (
+        f"cd {tmp_path} && PYTHONPATH={ROOT} {sys.executable} -m estimax.cli train blobs.py --max-steps 8 "
+        f"--eval-every 4; tmux -L {socket} wait-for -S done; sleep 60"  # the screen stays until it is read
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TMUX")}
+    subprocess.run([*tmux, "new-session", "-d", "-x", "150", "-y", "40", command], check=True, env=env)
+    try:
+        subprocess.run([*tmux, "pipe-pane", "-o", f"cat >> {raw}"], check=True)  # every byte the terminal got
+        subprocess.run([*tmux, "wait-for", "done"], check=True)
+        screen = subprocess.run([*tmux, "capture-pane", "-p"], capture_output=True, text=True, check=True).stdout
+    finally:
+        subprocess.run([*tmux, "kill-server"], check=False)
+    lines = [line for line in screen.splitlines() if line.strip()]
+    bars = [i for i, line in enumerate(lines) if "step/s" in line or "%|" in line]
+    assert len(bars) == 1 and "train: 100%" in lines[bars[0]] and "8/8" in lines[bars[0]], screen
+    done = next(i for i, line in enumerate(lines) if "estimax  Done at step 8" in line)
+    evals = [i for i, line in enumerate(lines) if re.search(r"estimax  eval step [48] ", line)]
+    assert len(evals) == 2 and evals[0] < bars[0] < evals[1] < done, screen  # whole lines, above the bar
+    assert all(line.startswith(("20", "1", "0", "held-out", "train: 100%")) for line in lines), screen
+    assert "compiling:   0%" in raw.read_text(errors="replace")  # the bar's state before the first loop ended
