@@ -33,9 +33,9 @@ DEFAULT_EXAMPLE = "digits"
 USER_ERROR_EXIT = 2
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 DOCS_EPILOG = (
-    "Documentation: docs/ in the source tree (`pip install 'estimax[docs]'`, then `mkdocs serve` there shows it "
-    "as a site): docs/getting-started.md, docs/guides/command-line.md (every flag), docs/guides/task-modules.md "
-    "(your own program)."
+    "Documentation: docs/ in the source tree, as a site with `pip install '.[docs]' && mkdocs serve` there: "
+    "docs/getting-started.md, docs/guides/command-line.md (every flag), docs/guides/task-modules.md (your own "
+    "program)."
 )
 
 
