@@ -2,8 +2,10 @@
 
 Owns joining the process group, loading the task, building its ``RunConfig``
 from the flags (``flags.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
-own defaults, and running the command. Owns no argument parsing (``entry.py``)
-and no convention (``task.py``). Imported only after the arguments are known
+own defaults, building the Estimator in the run directory ``runs.py`` chooses
+(the model's digest tells it whether a checkpoint can fit), and running the
+command. Owns no argument parsing (``entry.py``), no convention (``task.py``)
+and no choice of run (``runs.py``). Imported only after the arguments are known
 to be well-formed: importing it imports JAX.
 """
 
@@ -41,8 +43,8 @@ def run(args: argparse.Namespace) -> int:
     # Before anything touches devices: the mesh then spans every process's devices.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     compile_cache.enable(compile_cache.default_directory())  # a second command does not compile again
-    task = task_lib.load(args.task, dict(args.set))
-    given = dict(args.set)
+    given = dict(args.set)  # and --data-dir: what this command line says of the params
+    task = task_lib.load(args.task, given)
     if args.data_dir is not None:
         if "data_dir" not in task.params:  # never silently ignored: case 8 of issue 13 trained digits
             raise ValueError(
@@ -73,11 +75,11 @@ def run(args: argparse.Namespace) -> int:
     choice = runs.RunChoice(root, args.model_dir is not None, args.command == "train", typed, given)
     task, config = task.with_sets(choice.sets), RunConfig(**settings)
     estimator = _estimator(args, task, config, choice.model_dir)
-    trained = estimator.run_dir.checkpoints.latest_step() is not None
-    if choice.rechoose(state_digest(estimator), trained):  # a changed model: a new run
+    trained, digest = estimator.run_dir.checkpoints.latest_step() is not None, state_digest(estimator)
+    if choice.rechoose(digest, trained):  # a changed model: a new run
         estimator = _estimator(args, task, config, choice.model_dir)
     if args.command == "train" and first:
-        runs.write(choice.model_dir, runs.Remembered(choice.sets, runs.as_json(task.params), state_digest(estimator)))
+        runs.write(choice.model_dir, runs.Remembered(choice.sets, runs.as_json(task.params), digest))
     with _naming_set(args.set, "the model_fn fails", only=ModelFnError):
         return COMMANDS[args.command](args, task, estimator, first)
 
