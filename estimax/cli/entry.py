@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from typing import NoReturn
 
 from estimax.cli import predict_file
 from estimax.cli import task as task_lib
@@ -176,7 +177,31 @@ def check_arguments(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """The ``estimax`` command on ``argv``. As the program itself (no ``argv``: ``sys.argv``), it
+    ends the process at once when the command is done (``exit_now``)."""
+    if argv is not None:
+        return _command(list(argv))
+    exit_now(_command(sys.argv[1:]))
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the process with ``code`` once everything is written, without the interpreter's teardown,
+    where tearing down JAX's runtime takes 0.5 s on an idle 2-core machine and seconds under load.
+    The exit handlers run first (logging's flush, JAX's, Orbax's, multiprocessing's). With a thread
+    still alive (it may be writing), the usual exit waits for it instead."""
+    import atexit
+    import os
+    import threading
+
+    if threading.active_count() > 1:
+        sys.exit(code)
+    atexit._run_exitfuncs()  # what the interpreter runs at exit, before its teardown
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def _command(argv: list[str]) -> int:
     if argv[:1] == ["launch"]:
         return _launch(argv[1:])
     parser = _parser()
