@@ -110,7 +110,7 @@ class RunChoice:
         else:
             self.model_dir = latest(root, self._agrees) or self._no_agreeing_run()
         self.record = read(self.model_dir)
-        if explicit and not self._agrees(self.record):
+        if explicit and self.record is not None and not self._agrees(self.record):
             changed = {n: v for n, v in given.items() if self.record.sets.get(n) != v}
             raise ConfigError(
                 f"{describe(changed)}: {self.model_dir} was trained with {describe(self.record.sets)} (remembered "
