@@ -139,19 +139,18 @@ def check_sets(spec: str, sets: list[tuple[str, str]]) -> None:
     """Raises what ``load`` would about a ``--set`` name or value, reading the task's source
     instead of importing it (no JAX): names are checked when its ``params`` dict is written out
     at the module's top level, values when their default is a literal there."""
-    declared = declared_params(spec)
+    declared = _declared_params(spec)
     if declared is not None:
-        override(declared, {name: text for name, text in sets if declared.get(name) is not UNREAD})
+        override(declared, {name: text for name, text in sets if declared.get(name) is not _UNREAD})
 
 
-UNREAD = object()
-"""A default ``declared_params`` found but could not read (not a literal)."""
+_UNREAD = object()  # a default that _declared_params found but could not read (not a literal)
 
 
-def declared_params(spec: str) -> dict | None:
+def _declared_params(spec: str) -> dict | None:
     """The ``params`` of the task ``spec`` as its source declares them: the last top-level
     ``params = {...}`` (or ``dict(...)``) with names written out; a default that is not a literal
-    reads as ``UNREAD``. ``None`` when there is no such source or assignment."""
+    reads as ``_UNREAD``. ``None`` when there is no such source or assignment."""
     path = _source_file(spec)
     try:
         with open(path, "rb") as source:
@@ -180,7 +179,7 @@ def _literal_dict(node: ast.expr) -> dict | None:
         try:
             declared[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError, TypeError):
-            declared[name] = UNREAD
+            declared[name] = _UNREAD
     return declared
 
 
