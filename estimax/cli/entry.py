@@ -6,8 +6,9 @@ NAME`` runs a bundled one (``estimax/examples/``), and ``estimax train`` with
 no task trains the digits CNN and evaluates its held-out split.
 
 Owns parsing and checking the arguments (without importing JAX, so that
-``--help`` and mistakes answer at once) and printing estimax's errors as one
-line (exit 2; ``--debug`` shows the traceback). The run-setting flags are
+``--help`` and mistakes, ``--set`` names and values included, answer at
+once), printing estimax's errors as one line (exit 2; ``--debug`` shows the
+traceback), and ending the program as soon as its command is done. The run-setting flags are
 ``flags.py``'s.
 Owns no training: the commands call the ``Estimator``.
 
@@ -60,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
             length.add_argument("--epochs", type=positive_int, help="train until N epochs are done (counted from 0)")
             sub.add_argument("--eval-every", type=positive_int, help="also evaluate every N steps")
             sub.add_argument(
-                "--warm-start", metavar="DIR", help="a new run starts from the parameters of this run's checkpoint"
+                "--warm-start", metavar="DIR", help="start a new run from the parameters of the run in DIR that fit"
             )
         if name == "predict":
             sub.add_argument(

@@ -98,7 +98,7 @@ class RunChoice:
     """The run a command uses under ``root`` and the ``--set`` values that come with it.
 
     ``typed(sets)`` gives the task's params with ``sets`` (text) applied; ``given`` are the
-    values of this command line. ``model_dir``, ``sets`` and ``params`` are the choice.
+    values of this command line. ``model_dir`` and ``sets`` (remembered, then given) are the choice.
     """
 
     def __init__(self, root: str, explicit: bool, training: bool, typed: Callable[[dict], dict], given: dict):
@@ -117,7 +117,6 @@ class RunChoice:
                 f"in its {RECORD}); expected the same values. Fix: leave the --set out, or {self._elsewhere()}"
             )
         self.sets = {**(self.record.sets if self.record else {}), **given}
-        self.params = typed(self.sets)
 
     def _agrees(self, record: Remembered | None) -> bool:
         """The values given change nothing in ``record``'s params (a run without a record: its defaults)."""
