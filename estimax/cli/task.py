@@ -160,9 +160,22 @@ def _declared_params(spec: str) -> dict | None:
     declared = None
     for node in tree.body:
         target = node.targets[-1] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-        if isinstance(target, ast.Name) and target.id == "params" and getattr(node, "value", None) is not None:
-            declared = _literal_dict(node.value)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(target, ast.Name) and target.id == "params":
+            declared = _literal_dict(node.value) if node.value is not None else None
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and _changes_params(node):
+            return None  # params[...] = ..., params.update(...): known only once the module has run
     return declared
+
+
+def _changes_params(node: ast.stmt) -> bool:
+    """Whether a top-level statement may change ``params`` other than by assigning it whole."""
+    for part in ast.walk(node):
+        if isinstance(part, ast.Subscript | ast.Attribute) and getattr(part.value, "id", None) == "params":
+            if isinstance(part, ast.Attribute) or isinstance(part.ctx, ast.Store | ast.Del):
+                return True
+        if isinstance(part, ast.AugAssign) and getattr(part.target, "id", None) == "params":
+            return True
+    return False
 
 
 def _literal_dict(node: ast.expr) -> dict | None:
