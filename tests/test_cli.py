@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -137,3 +139,30 @@ def test_a_set_value_that_breaks_the_model_names_it(tmp_path):
     result = _run("train", "--set", "image_size=4", "--max-steps", "1", cwd=tmp_path)  # fails in the first step
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines()[-1].startswith("estimax: error: With --set image_size=4, the model_fn fails:")
+
+
+def test_set_names_are_read_from_the_source_only_where_it_declares_them(tmp_path):
+    from estimax.cli import task as task_lib
+
+    sources = {  # the task's source -> whether `--set extra=1` is refused before the module is imported
+        'params = {"hidden": 16}\n': True,
+        'params: dict = dict(hidden=16)\nrate = params["hidden"] * 2\n': True,
+        'params = {"hidden": 16}\nparams["extra"] = 0\n': False,  # known once the module has run
+        'params = {"hidden": 16}\nparams.update(extra=0)\n': False,
+        'params = {"hidden": 16}\nparams |= {"extra": 0}\n': False,
+        'params = {**BASE, "hidden": 16}\n': False,
+        "params = make_params()\n": False,
+    }
+    for number, (source, refused) in enumerate(sources.items()):
+        path = tmp_path / f"task_{number}.py"
+        path.write_text(source)
+        try:
+            task_lib.check_sets(str(path), [("extra", "1")])
+        except ValueError as error:
+            assert refused and "'extra' is not in params; known names: hidden" in str(error), source
+        else:
+            assert not refused, source
+    (tmp_path / "computed.py").write_text('SIZE = 4\nparams = {"hidden": SIZE, "rate": 0.1}\n')
+    task_lib.check_sets(str(tmp_path / "computed.py"), [("hidden", "not checked: not a literal")])
+    with pytest.raises(ValueError, match=r"--set rate=fast: not a float like its default 0.1"):
+        task_lib.check_sets(str(tmp_path / "computed.py"), [("rate", "fast")])
