@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from estimax import storage
-from estimax.errors import InputError
+from estimax.errors import ConfigError, InputError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,15 +25,15 @@ FORMATS = (*ARRAY_FORMATS, *TABLE_FORMATS)
 
 
 def check(path: str) -> None:
-    """A ``ValueError`` for a file of no known format, or a local file that is not there (no import)."""
+    """A ``ConfigError`` for a file of no known format, or a local file that is not there (no import)."""
     extension = os.path.splitext(path)[1].lower()
     if extension not in FORMATS:
-        raise ValueError(
+        raise ConfigError(
             f"--input {path}: no reader for {extension or 'a file without an extension'!r}; expected one of "
             f"{', '.join(FORMATS)}. Fix: write the examples as .npz (numpy.savez(FILE, name=array, ...)) or Parquet."
         )
     if not storage.is_url(path) and not os.path.isfile(storage.expand(path)):
-        raise ValueError(f"--input {path}: no such file; expected a file of examples to predict.")
+        raise ConfigError(f"--input {path}: no such file; expected a file of examples to predict.")
 
 
 def read(path: str, like):
