@@ -134,10 +134,16 @@ class S3Object:
             return _bounded(
                 self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, timeout=timeout, **kwargs
             )
-        except (FileExistsError, FileNotFoundError):  # If-None-Match failed; If-Match on a deleted object
+        except (FileExistsError, FileNotFoundError) as error:  # If-None-Match failed; If-Match on a deleted object
+            if _code(error) == "NoSuchBucket":
+                raise  # no bucket: the caller names it
             raise Changed from None
         except OSError as error:
-            code = getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+            if _code(error) in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
                 raise Changed from None
             raise
+
+
+def _code(error: BaseException) -> str | None:
+    """The S3 error code behind an s3fs error (``NoSuchBucket``, ``PreconditionFailed``, ...)."""
+    return getattr(error.__cause__, "response", {}).get("Error", {}).get("Code")
