@@ -1,17 +1,19 @@
 """Checkpoints of the LM's TrainState in a bucket against local disk, as ratios.
 
-Starts fake-gcs-server (the GCS API emulator) on 127.0.0.1, builds the LM
-example's state (parameters and Adam's moments, as ``estimax train --example
-lm`` has them) and measures with the engine's own ``Checkpointer``, side by
-side in one process, for a local directory and for ``gs://``:
+Starts fake-gcs-server (the GCS API emulator) and moto's S3 server on
+127.0.0.1, builds the LM example's state (parameters and Adam's moments, as
+``estimax train --example lm`` has them) and measures with the engine's own
+``Checkpointer``, side by side in one process, for a local directory, ``gs://``
+and ``s3://``:
 
 - ``save_blocking``: how long ``save`` blocks the training loop (the rest of
   the write continues in the background: saves stay asynchronous on a bucket);
 - ``save_complete``: until the checkpoint is committed;
 - ``restore``: a verified restore into the run's shardings.
 
-The emulator stores objects on the same local disk, so the ratio measures the
-protocol (HTTP, tensorstore's GCS driver, the commit marker), not a network.
+The servers store objects on this machine, so the ratio measures the protocol
+(HTTP, tensorstore's GCS or S3 driver, the commit marker) and the server's own
+speed (moto is written in Python), not a network.
 Run: ``python benchmarks/storage.py [--repeats 5]``.
 """
 
@@ -26,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from stores import GCSEmulator  # noqa: E402
+from stores import GCSEmulator, S3Server  # noqa: E402
 
 
 def measure(estimator, directory: str, repeats: int) -> dict:
@@ -57,8 +59,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="estimax-bench-storage-")
-    emulator = GCSEmulator(root, buckets=("bench",))
-    os.environ.update(emulator.env)
+    emulator, s3 = GCSEmulator(root, buckets=("bench",)), S3Server(root, buckets=("bench",))
+    os.environ.update(emulator.env | s3.env)
     try:
         import jax
 
@@ -68,24 +70,25 @@ def main() -> None:
         estimator = lm.estimator(ex.RunConfig(model_dir=None, train_batch_size=16, quiet=True))
         size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(estimator.state_shapes()))
         local = measure(estimator, os.path.join(root, "local"), args.repeats)
-        bucket = measure(estimator, "gs://bench/lm/checkpoints", args.repeats)
+        buckets = {store: measure(estimator, f"{store}://bench/lm/checkpoints", args.repeats) for store in ("gs", "s3")}
         for name in local:
-            print(
-                json.dumps(
-                    {
-                        "what": name,
-                        "state_mib": round(size / 2**20, 1),
-                        "local_ms": [round(1e3 * min(local[name]), 1), round(1e3 * max(local[name]), 1)],
-                        "gs_ms": [round(1e3 * min(bucket[name]), 1), round(1e3 * max(bucket[name]), 1)],
-                        "gs_over_local_median": round(
-                            sorted(bucket[name])[len(bucket[name]) // 2] / sorted(local[name])[len(local[name]) // 2],
-                            2,
-                        ),
-                    }
-                )
-            )
+            record = {"what": name, "state_mib": round(size / 2**20, 1), "local_ms": milliseconds(local[name])}
+            for store, bucket in buckets.items():
+                record[f"{store}_ms"] = milliseconds(bucket[name])
+                record[f"{store}_over_local_median"] = round(median(bucket[name]) / median(local[name]), 2)
+            print(json.dumps(record))
     finally:
         emulator.stop()
+        s3.stop()
+
+
+def milliseconds(times: list[float]) -> list[float]:
+    """The fastest and the slowest."""
+    return [round(1e3 * min(times), 1), round(1e3 * max(times), 1)]
+
+
+def median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":

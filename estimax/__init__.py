@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
     from estimax.loop import Compiled as Compiled
+    from estimax.peers import PEER_LOST_EXIT_CODE as PEER_LOST_EXIT_CODE
     from estimax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from estimax.preemption import Interrupted as Interrupted
     from estimax.preemption import Preempted as Preempted
@@ -66,6 +67,7 @@ _NAMES = {
     "Interrupted": "estimax.preemption",
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",
+    "PEER_LOST_EXIT_CODE": "estimax.peers",
     "PREEMPTED_EXIT_CODE": "estimax.preemption",
     "Preempted": "estimax.preemption",
     "EVAL": "estimax.spec",

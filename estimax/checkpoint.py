@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import counting, noise, storage
+from estimax import counting, noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError
 
@@ -69,6 +69,7 @@ class Checkpointer:
         self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
         self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
         self._moved_aside: dict[int, str] = {}
+        self._saving: int | None = None  # the step of the latest save started
         self._primary = True
 
     def _open(self, read_only: bool) -> ocp.CheckpointManager:
@@ -78,6 +79,7 @@ class Checkpointer:
             best_options = dict(
                 best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
             )
+        store_options = orbax_s3.options() if storage.scheme(self.directory) == "s3" else {}
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -87,6 +89,7 @@ class Checkpointer:
                 cleanup_tmp_directories=not read_only,
                 read_only=read_only,
                 **best_options,
+                **store_options,
             ),
         )
 
@@ -126,17 +129,25 @@ class Checkpointer:
 
     def refresh(self) -> None:
         """Lists the step directories again (another process, or the group's primary, changed them)."""
+        storage.forget_listings(self.directory)
         self._manager.reload()
 
     def steps(self) -> list[int]:
         if self.read_only:
-            self._manager.reload()  # a reader sees what the writer saved since
+            self.refresh()  # a reader sees what the writer saved since
         return list(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         if self.read_only:
-            self._manager.reload()
+            self.refresh()
         return self._manager.latest_step()
+
+    def committed_step(self) -> int | None:
+        """The latest step whose save has finished, from memory (no call to the store)."""
+        steps = set(self._manager.all_steps())
+        if not self.read_only and self._manager.is_saving_in_progress():
+            steps.discard(self._saving)  # Orbax may list it before it is finished
+        return max(steps, default=None)
 
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
@@ -161,6 +172,7 @@ class Checkpointer:
         if loop is not None:
             meta["loop"] = loop
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self._saving = step
         with self._disk_errors():
             self._manager.save(step, args=args, force=True, metrics=metrics)
         self._last_save = time.monotonic()

@@ -80,6 +80,8 @@ class Best:
       patience: stop training when the metric has not improved for this many
         evaluations; ``None``: never stop early.
       min_delta: a change smaller than this is not an improvement (for ``patience``).
+
+    ``mode=`` still works for one release (a ``DeprecationWarning``): it is ``direction=``.
     """
 
     metric: str = "loss"
@@ -87,8 +89,19 @@ class Best:
     keep_checkpoint: bool = True
     patience: int | None = None
     min_delta: float = 0.0
+    _: dataclasses.KW_ONLY
+    mode: dataclasses.InitVar[str | None] = None  # the name of ``direction`` in train_and_evaluate(mode=...)
 
-    def __post_init__(self):
+    def __post_init__(self, mode: str | None):
+        if mode is not None:
+            if self.direction is not None:
+                raise ConfigError(
+                    f"Best(direction={self.direction!r}, mode={mode!r}); expected one of them. Fix: keep direction=."
+                )
+            warnings.warn(
+                f"Best(mode={mode!r}) is deprecated; pass Best(direction={mode!r}).", DeprecationWarning, stacklevel=3
+            )
+            object.__setattr__(self, "direction", mode)
         if not isinstance(self.metric, str) or not self.metric:
             raise ConfigError(f"Best(metric={self.metric!r}); expected the name of an evaluation metric.")
         if self.direction is None:

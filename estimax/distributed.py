@@ -2,23 +2,27 @@
 
 Owns joining the group (from arguments, from the ``ESTIMAX_*`` environment
 variables that ``estimax launch`` sets, from a cluster manager's variables
-(``clusters.py``), or by JAX's own detection on a Cloud TPU VM), quieting
-the console of every process but 0, and barriers with a timeout that say
-which process is late and what it was last doing, instead of waiting
-forever. Does not own restarting a failed group (``launch.py``):
-when a peer dies, JAX aborts the others, and only a supervisor can recover.
+(``clusters.py``), or by JAX's own detection on a Cloud TPU VM), checking
+the place it is given, starting the watch that stops the survivors within a
+bound when a process is lost (``peers.py``), quieting the console of every
+process but 0, and barriers with a timeout that say which process is late
+and what it was last doing, instead of waiting forever. Does not own
+restarting a failed group (``launch.py``, a cluster manager): only a
+supervisor can start the group again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import jax
 
-from estimax import clusters
+from estimax import clusters, peers
 from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
 
 logger = logging.getLogger("estimax")
@@ -41,6 +45,7 @@ def initialize(
     *,
     force: bool = False,
     timeout_seconds: int = 300,
+    peer_timeout_seconds: float | None = None,
 ) -> bool:
     """Joins this process to the group before anything touches devices; returns whether it did.
 
@@ -50,9 +55,15 @@ def initialize(
     Open MPI, Cloud TPU). With none of them this is one process and nothing is
     done, unless ``force=True``: then a group of one on 127.0.0.1 starts, which
     JAX's preemption sync needs. Calling it again is a no-op.
+
+    ``peer_timeout_seconds`` (default ``ESTIMAX_PEER_TIMEOUT_SECONDS``, else 10):
+    how long a process may show no sign of life before every other one logs a
+    line naming it and exits with ``PEER_LOST_EXIT_CODE`` (69), within 1.3 times
+    that (``peers.bound_seconds``).
     """
     if jax.distributed.is_initialized():
         return True
+    peer_timeout = peers.timeout_seconds(peer_timeout_seconds)
     coordinator = coordinator or os.environ.get(COORDINATOR_ENV)
     num_processes = _int_or_none(NUM_PROCESSES_ENV, num_processes)
     process_id = _int_or_none(PROCESS_ID_ENV, process_id)
@@ -77,6 +88,12 @@ def initialize(
         if not force:
             return False
         coordinator, num_processes, process_id = f"127.0.0.1:{free_port()}", 1, 0
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise ConfigError(
+            f"distributed.initialize received process_id={process_id} with num_processes={num_processes} (from "
+            f"the arguments or {PROCESS_ID_ENV} / {NUM_PROCESSES_ENV}); expected a process_id from 0 to "
+            f"{num_processes - 1}. Fix: give each of the {num_processes} processes its own id in that range."
+        )
     devices = placement.local_device_ids if placement is not None else None
     try:
         jax.distributed.initialize(
@@ -85,6 +102,8 @@ def initialize(
             process_id=process_id,
             local_device_ids=list(devices) if devices is not None else None,
             initialization_timeout=timeout_seconds,
+            # JAX's own watch aborts every process from C++: the backstop, behind estimax's.
+            heartbeat_timeout_seconds=max(10, math.ceil(peers.JAX_HEARTBEAT_FACTOR * peer_timeout)),
         )
     except RuntimeError as error:
         if "before any JAX" in str(error) or "must be called before" in str(error):
@@ -93,19 +112,23 @@ def initialize(
                 "first. Fix: call it at the top of the program, before building an Estimator or any array."
             ) from error
         raise
+    if jax.process_count() > 1:
+        peers.PeerWatch(_client(), jax.process_index(), jax.process_count(), peer_timeout).start()
     if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
         logger.setLevel(logging.WARNING)  # process 0 speaks for the group
     from estimax.report import ensure_console
 
     ensure_console()  # the first line says which group this is, before any Estimator exists
     logger.info(
-        "Process %d of %d joined the group (%s) at %s: %d local and %d global devices",
+        "Process %d of %d joined the group (%s) at %s: %d local and %d global devices; a lost process stops "
+        "the group within %g s",
         jax.process_index(),
         jax.process_count(),
         placement.manager if placement is not None else "estimax" if coordinator else "detected by JAX",
         coordinator or "(detected by JAX)",
         jax.local_device_count(),
         jax.device_count(),
+        peers.bound_seconds(peer_timeout),
     )
     return True
 
@@ -167,6 +190,13 @@ class Sync:
     def status(self, what: str) -> None:
         if self._client is not None:
             self._client.key_value_set(f"{_STATUS_KEY}{jax.process_index()}", what, allow_overwrite=True)
+
+    def track_checkpoints(self, committed_step: Callable[[], int | None]) -> None:
+        """``committed_step()`` gives the last committed checkpoint step, which the survivors name
+        if a process of the group is lost."""
+        watch = peers.PeerWatch.of_this_process()
+        if watch is not None:
+            watch.committed_step = committed_step
 
     def barrier(self, what: str) -> None:
         if self._client is None:

@@ -40,6 +40,18 @@ class StorageError(EstimaxError, OSError):
     """A path or URL that cannot be used: missing client library, credentials, bucket, permission."""
 
 
+STORE_FAILURE_EXIT_CODE = 74
+"""The exit status of the ``estimax`` command when the store stopped answering mid-run or another
+process took the model_dir's lease over (``EX_IOERR``): distinct from a preemption (75), a mistake in
+the input (2) and a bug (1)."""
+
+
+class StoreUnavailableError(StorageError):
+    """The store did not answer an operation on the model_dir's lock within its deadline."""
+
+    exit_code = STORE_FAILURE_EXIT_CODE
+
+
 class DistributedError(EstimaxError, RuntimeError):
     """The process group cannot be formed or a peer is missing."""
 
@@ -62,6 +74,13 @@ class NonFiniteError(EstimaxError, FloatingPointError):
 
 class ModelDirLockedError(EstimaxError, RuntimeError):
     """Another process writes into this model_dir."""
+
+
+class LeaseLostError(ModelDirLockedError):
+    """Another process took over the model_dir's lease while this one held it (this one was paused,
+    starved or cut off for longer than the lease): this one has stopped writing."""
+
+    exit_code = STORE_FAILURE_EXIT_CODE
 
 
 class ModelDirNotWritableError(EstimaxError, PermissionError):

@@ -109,6 +109,7 @@ class Estimator:
         self._param_names = leaf_names(self._abstract_state.params)
         accumulation.warn_if_multisteps(self._abstract_state.opt_state)
         self._train_runner: TrainRunner | None = None
+        self._checks = validation.ModeChecks(self._core, self._abstract_state, self._plan)
         self._evaluator = Evaluator(self._core, self.layout, self._plan, config.quiet)
         report.ensure_console()
 
@@ -188,6 +189,7 @@ class Estimator:
         finishes the same number of epochs); it needs an input of known size.
         ``hooks`` run on the host after every loop (``estimax.hooks.Hook``).
         """
+        input = self._checks.train(input)
         self._train(input, (max_steps, steps, epochs), hooks)
         return self
 
@@ -229,10 +231,8 @@ class Estimator:
         hooks = validation.check_hooks(hooks)
         if best is not None and best.patience is not None:
             hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
-        validation.check_eval_metrics_exist(
-            self._core, self._abstract_state, self.mesh, self.config.global_eval_batch_size, (eval_input, train_input),
-            validation.metrics_used(hooks, best),
-        )  # fmt: skip
+        train_input = self._checks.train(train_input)
+        eval_input = self._checks.evaluate(eval_input, validation.metrics_used(hooks, best))
         keep = best is not None and best.keep_checkpoint
         evaluation = Evaluation(
             run=lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop),
@@ -263,7 +263,9 @@ class Estimator:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
         restored = self._current.restored if self._current.origin == "restored" else None
-        resized = resize.resumed(self._plan, input, restored, self._run_record["shape"], start)
+        resized = resize.resumed(
+            self._plan, input, restored, self._run_record["shape"], start, self.run_dir.last_train_step
+        )
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,
@@ -279,7 +281,7 @@ class Estimator:
         if self._current.loop is not None:
             self._train_runner.resume(self._current.loop, start)
         exact_stops = any(map(may_stop, hooks))  # the built-in hooks never stop after a loop
-        writers = self._writers()
+        writers = self._writers(continuing_from=start)
         if resized is not None:
             for writer in writers:
                 writer.write("resize", start, resized)
@@ -288,6 +290,7 @@ class Estimator:
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
             profiler=profiler, sync=self._sync, exact_stops=exact_stops, saved_position=self._plan.saved_position,
+            fence=self.run_dir.fence,
         )  # fmt: skip
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, self.run_dir.url)
         chunks = self._plan.train_chunks(input, start, target, self._current.input_state)
@@ -301,8 +304,8 @@ class Estimator:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
         return loop
 
-    def _writers(self, files: bool = True) -> list:
-        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files)
+    def _writers(self, files: bool = True, continuing_from: int | None = None) -> list:
+        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files, continuing_from)
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time
@@ -323,6 +326,7 @@ class Estimator:
         ``host_metrics``: this call's, instead of the Estimator's.
         """
         host_metrics_lib.check(host_metrics)
+        input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
         recording.record_evaluation(self.run_dir, self._writers, int(jax.device_get(state.step)), results)
@@ -334,6 +338,7 @@ class Estimator:
     ) -> dict[str, metrics_lib.Metric]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
+        input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         return self._evaluator.states(input, state, steps=steps)[0]
 
@@ -353,6 +358,7 @@ class Estimator:
         and Grain ``MapDataset`` inputs have. ``checkpoint``: a step of
         model_dir or a checkpoint path; default: the current state.
         """
+        input = self._checks.predict(input)
         state = self._at(checkpoint, "predict")
         return self._evaluator.predict(input, state, gather)
 

@@ -3,7 +3,8 @@
 An event file is a sequence of TFRecords (``records.py``), the first a
 ``file_version`` event, each next one an ``Event`` with a wall time, a step and
 a ``Summary`` of ``simple_value`` scalars, the form TensorBoard's scalar
-dashboard reads. The protobuf wire format of these three messages is written
+dashboard reads, or a ``SessionLog.START`` that marks where a run (re)started.
+The protobuf wire format of these messages is written
 here by hand: a training loop's every-step points cost a few microseconds each,
 with no TensorFlow, tensorboardX or protobuf classes on the path. Owns the
 bytes and the file names; does not own where they go (``writers.py``).
@@ -22,8 +23,9 @@ import numpy as np
 from estimax.records import frame
 
 # Field keys of tensorflow.Event and tensorflow.Summary(.Value): (field number << 3) | wire type.
-_WALL_TIME, _STEP, _FILE_VERSION, _SUMMARY = b"\x09", b"\x10", b"\x1a", b"\x2a"
+_WALL_TIME, _STEP, _FILE_VERSION, _SUMMARY, _SESSION_LOG = b"\x09", b"\x10", b"\x1a", b"\x2a", b"\x3a"
 _VALUE, _TAG, _SIMPLE_VALUE = b"\x0a", b"\x0a", b"\x15"
+_STATUS_START = b"\x08\x01"  # tensorflow.SessionLog: status = START
 
 
 def _varint(n: int) -> bytes:
@@ -43,6 +45,15 @@ def file_version(wall_time: float | None = None) -> bytes:
     """The first record of every event file."""
     wall_time = time.time() if wall_time is None else wall_time
     return frame(_WALL_TIME + struct.pack("<d", wall_time) + _length_delimited(_FILE_VERSION, b"brain.Event:2"))
+
+
+def session_start(step: int, wall_time: float | None = None) -> bytes:
+    """A ``SessionLog.START`` event at ``step``: TensorBoard's readers drop the events at ``step`` and after
+    that they read before it (a run that died past its last checkpoint), and keep reading this run's.
+    TensorBoard's server takes a logdir's first one for its start, not a restart: every run writes one."""
+    wall_time = time.time() if wall_time is None else wall_time
+    start = _length_delimited(_SESSION_LOG, _STATUS_START)
+    return frame(_WALL_TIME + struct.pack("<d", wall_time) + _STEP + _varint(step) + start)
 
 
 class ScalarEncoder:

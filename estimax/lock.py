@@ -8,11 +8,9 @@ process id, the process's start time and its command line.
 - On a disk (``Lock``): ``O_CREAT | O_EXCL``. A lock whose holder ran on this
   host and is gone (no such process, or the process id now belongs to a
   process started later) is stale: it is taken over with a warning.
-- On an object store (``LeaseLock``): a conditional create (GCS
-  ``ifGenerationMatch=0``, S3 ``If-None-Match: *``) of an object holding a
-  lease that the holder renews from a background thread. A pid on another
-  host cannot be checked, so a lease not renewed for ``lease_seconds`` means
-  the holder is gone: it is taken over with a warning.
+- On an object store (``lease.LeaseLock``): a lease object, taken and renewed
+  by conditional writes; a pid on another host cannot be checked, so a lease
+  not renewed for its lease time means the holder is gone.
 
 Readers (evaluating, predicting or exporting another run's checkpoints) take
 no lock. Does not own who takes it (the Estimator: process 0 for the group)
@@ -29,7 +27,6 @@ import os
 import shlex
 import socket
 import sys
-import threading
 import time
 
 from estimax import storage
@@ -93,6 +90,12 @@ class Lock:
         if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
+
+    def check(self) -> None:
+        """Nothing to prove: a lock file on a disk stays this process's until it is released."""
+
+    def writable(self) -> bool:
+        return True
 
     def __enter__(self) -> Lock:
         return self.acquire()
@@ -227,89 +230,10 @@ def not_writable(directory: str, error: OSError) -> ModelDirNotWritableError:
     )
 
 
-class LeaseLock:
-    """The writer lock of a model_dir on an object store: a lease object, renewed by its holder.
-
-    ``lease_seconds``: how long a lock lives without renewal; the holder renews it every third of
-    that. Clocks of the hosts involved must agree to well within it (NTP does).
-    """
-
-    def __init__(self, model_dir: str, lease_seconds: float = 60.0):
-        self.model_dir = storage.resolve(model_dir)
-        self.path = storage.join(self.model_dir, LOCK_FILE)
-        self.lease_seconds = lease_seconds
-        self.held = False
-        self._record: dict = {}
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-
-    def acquire(self) -> LeaseLock:
-        if self.held:
-            return self
-        storage.check_store(self.model_dir, write=True)
-        self._record = {**holder_record(), "lease_seconds": self.lease_seconds}
-        for _attempt in range(3):
-            if storage.create_exclusive(self.path, self._encoded()):
-                self._hold()
-                return self
-            holder = read_holder(self.path)
-            if holder is None:
-                continue  # released in between
-            age = time.time() - float(holder.get("renewed_at", 0))
-            gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
-            if age <= float(holder.get("lease_seconds", self.lease_seconds)) and not gone:
-                raise ModelDirLockedError(
-                    f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
-                    f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
-                    "finish, stop it, or use another model_dir; a holder that is gone releases the lock when its "
-                    f"lease expires ({holder.get('lease_seconds')} s without renewal), or delete {self.path}."
-                )
-            if read_holder(self.path) == holder:  # still the expired one: take it over
-                storage.remove(self.path)
-                logger.warning(
-                    "Took over the lock of model_dir %s: %s (%s).",
-                    self.model_dir,
-                    "its holder is gone"
-                    if gone
-                    else f"its lease expired {age - float(holder.get('lease_seconds', self.lease_seconds)):.0f} s ago",
-                    describe(holder),
-                )
-        raise ModelDirLockedError(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
-        holder = read_holder(self.path)
-        if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-            storage.remove(self.path)
-
-    def __enter__(self) -> LeaseLock:
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def _encoded(self) -> bytes:
-        return json.dumps({**self._record, "renewed_at": time.time()}).encode()
-
-    def _hold(self) -> None:
-        self.held = True
-        self._stop.clear()
-        self._renewer = threading.Thread(target=self._renew, name="estimax-lease", daemon=True)
-        self._renewer.start()
-
-    def _renew(self) -> None:
-        while not self._stop.wait(self.lease_seconds / 3):
-            try:
-                storage.write_bytes(self.path, self._encoded())
-            except Exception as error:  # the next renewal tries again; the lease covers two misses
-                logger.warning("Could not renew the lock %s: %s", self.path, error)
-
-
-def lock_for(model_dir: str) -> Lock | LeaseLock:
+def lock_for(model_dir: str):
     """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store."""
-    return LeaseLock(model_dir) if storage.is_url(model_dir) else Lock(model_dir)
+    if not storage.is_url(model_dir):
+        return Lock(model_dir)
+    from estimax.lease import LeaseLock  # it builds on this module's holder record
+
+    return LeaseLock(model_dir)

@@ -1,16 +1,22 @@
 """Live progress bars for terminals (tqdm): training, updated once per loop,
 and evaluation, updated once per batch.
 
-The training bar shows step / total, the epoch when an epoch's length is
-known, a smoothed loss, steps/s, examples/s, the input-wait fraction and
-tqdm's ETA; the evaluation bar batches / total when the input's size is
-known. Used only when stderr is a terminal; elsewhere (CI, files) the console
+The training bar reads "compiling" until the first loop has run, then shows
+step / total, the epoch when an epoch's length is known, a smoothed loss,
+steps/s, examples/s, the input-wait fraction and tqdm's ETA; it is closed at
+100% when training reaches its target, before the "Done" line. While it shows,
+estimax's log lines print above it (through ``tqdm.write``), never onto it.
+The evaluation bar shows batches / total when the input's size is known.
+Used only when stderr is a terminal; elsewhere (CI, files) the console
 writer's plain lines say the same.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import sys
 
 from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
 
@@ -25,11 +31,15 @@ class ProgressBar(Hook):
         from tqdm.auto import tqdm
 
         self._run, self._loss = run, None
-        self._bar = tqdm(total=run.target_step, initial=run.start_step, unit="step", dynamic_ncols=True, desc="train")
+        self._logs_above = _logs_above_bars()
+        self._bar = tqdm(
+            total=run.target_step, initial=run.start_step, unit="step", dynamic_ncols=True, desc="compiling"
+        )
 
     def after_loop(self, loop: LoopRecord) -> None:
         if self._bar is None:
             return
+        self._bar.set_description("train", refresh=False)
         losses = [x for x in loop.outputs.get("loss", ()) if math.isfinite(x)]
         for loss in losses:
             self._loss = loss if self._loss is None else self.smoothing * self._loss + (1 - self.smoothing) * loss
@@ -47,11 +57,31 @@ class ProgressBar(Hook):
             )
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(loop.num_steps)
+        if loop.step_after >= self._run.target_step:  # done: the bar ends at 100%, above the "Done" line
+            self._close()
 
     def end(self, summary: Summary) -> None:
+        self._close()
+
+    def _close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+            self._logs_above.close()
+
+
+def _logs_above_bars() -> contextlib.ExitStack:
+    """Sends estimax's console log lines through ``tqdm.write`` (above the bars) until closed."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    redirect = contextlib.ExitStack()
+    estimax_logger = logging.getLogger("estimax")
+    consoles = [
+        h for h in estimax_logger.handlers if getattr(h, "stream", None) in (sys.stdout, sys.stderr)
+    ]  # a logger set up otherwise is left as it is
+    if consoles:
+        redirect.enter_context(logging_redirect_tqdm([estimax_logger]))
+    return redirect
 
 
 class EvalProgress:

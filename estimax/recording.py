@@ -22,13 +22,15 @@ from estimax.writers import ConsoleWriter
 logger = logging.getLogger("estimax")
 
 
-def writers(config, run_dir, params: dict, tracker_runs: dict, files: bool = True) -> list:
+def writers(
+    config, run_dir, params: dict, tracker_runs: dict, files: bool = True, continuing_from: int | None = None
+) -> list:
     """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
-    and only with ``files`` (what this process may write)."""
+    and only with ``files`` (what this process may write); ``continuing_from``: training's first step."""
     found: list = [ConsoleWriter(train_lines=not config.quiet and not sys.stderr.isatty())]
     if jax.process_index() != 0 or not files:
         return found
-    found += run_dir.file_writers(config.tensorboard)
+    found += run_dir.file_writers(config.tensorboard, continuing_from)
     return found + trackers.writers(config, params, tracker_runs, run_dir)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -32,11 +33,13 @@ def describe(shape: dict) -> str:
     return f"{processes} process{plural}, {shape['devices']} devices (mesh {shape.get('mesh', '?')})"
 
 
-def resumed(plan, input, restored: dict | None, now: dict, start: int) -> dict | None:
+def resumed(plan, input, restored: dict | None, now: dict, start: int, last_step: Callable) -> dict | None:
     """After a restore from a checkpoint of another shape: refuses an input that cannot continue
     there, else says so in one line and returns the ``resize`` record; ``None`` in the same shape.
 
-    ``restored``: the restored checkpoint's metadata (its run record and when it was saved).
+    ``restored``: the restored checkpoint's metadata (its run record and when it was saved);
+    ``last_step()``: the last step the run before had recorded, or ``None`` (its steps past
+    ``start`` are trained again).
     """
     before = ((restored or {}).get("run") or {}).get("shape")
     if not before or before == now:
@@ -44,13 +47,16 @@ def resumed(plan, input, restored: dict | None, now: dict, start: int) -> dict |
     plan.check_resize(input, before["processes"], start)
     saved_at = restored.get("saved_at")
     since = max(time.time() - saved_at, 0.0) if saved_at else float("nan")
+    last = last_step()
+    redone = max(last - start, 0) if last is not None else None
     logger.info(
         "Resuming step %d in another shape: %s when saved, %s now; the state is resharded and the input "
-        "continues at the next example; %.1f s since that checkpoint was saved.",
+        "continues at the next example; %.1f s since that checkpoint was saved%s.",
         start,
         describe(before),
         describe(now),
         since,
+        f", {redone} steps trained again" if redone is not None else "",
     )
     return {
         "processes_before": before["processes"],
@@ -58,4 +64,5 @@ def resumed(plan, input, restored: dict | None, now: dict, start: int) -> dict |
         "processes": now["processes"],
         "devices": now["devices"],
         "seconds_since_checkpoint": since,
+        **({} if redone is None else {"steps_redone": redone}),
     }

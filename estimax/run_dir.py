@@ -1,6 +1,6 @@
 """Everything estimax keeps for a run: ``RunDir`` owns the model_dir, ``NoRunDir`` stands for none.
 
-A model_dir (a local path, ``file://``, or ``gs://``) holds::
+A model_dir (a local path, ``file://``, ``gs://`` or ``s3://``) holds::
 
     checkpoints/<step>/     Orbax checkpoints of the TrainState (checkpoint.py)
     best/<step>/            the best checkpoint by an evaluation metric
@@ -24,14 +24,23 @@ holds (``checkpoint.py``) nor what a record says (``report.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
+import re
 
 import jax
 
 from estimax import storage
 from estimax.checkpoint import CHECKPOINTS, Checkpointer
 from estimax.config import CheckpointPolicy
-from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
+from estimax.errors import (
+    ConfigError,
+    ModelDirLockedError,
+    ModelDirNotWritableError,
+    StorageError,
+    StoreUnavailableError,
+)
 from estimax.lock import lock_for
 
 logger = logging.getLogger("estimax")
@@ -54,11 +63,14 @@ class RunDir:
     """The files of one run under ``url``; read-only until ``writing()``."""
 
     def __init__(self, model_dir, policy: CheckpointPolicy, run_meta: dict | None = None):
+        check_variables_set(model_dir)
         self.url = storage.resolve(model_dir)
         check_supported(self.url)
+        check_not_below_file(self.url)
         self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True)
         self.checkpoints.run_meta = dict(run_meta or {})
         self.lock = lock_for(self.url)
+        self.lock.committed_step = self.checkpoints.committed_step  # what a lost lease says to resume from
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -87,15 +99,33 @@ class RunDir:
             self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
         )
 
-    def file_writers(self, tensorboard: bool) -> list:
-        """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own."""
+    def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
+        """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own.
+        ``continuing_from``: the step training starts from; the records a dead run left past it are
+        dropped (``writers.py``), so that the records read as one history."""
         from estimax.writer_thread import InBackground
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
-        writers: list = [InBackground(JsonlWriter(self.path(METRICS)), self.path(METRICS))]
+        writable = self.lock.writable  # nothing is written once the lease is lost
+        metrics, events = self.path(METRICS), self.path(TENSORBOARD)
+        writers: list = [InBackground(JsonlWriter(metrics, continuing_from), metrics, writable)]
         if tensorboard:
-            writers.append(InBackground(TensorBoardWriter(self.path(TENSORBOARD)), self.path(TENSORBOARD)))
+            writers.append(InBackground(TensorBoardWriter(events, continuing_from), events, writable))
         return writers
+
+    def last_train_step(self) -> int | None:
+        """The last step ``metrics.jsonl`` has a train record of (a run that died may have gone past
+        its last checkpoint); ``None`` without one."""
+        path = self.path(METRICS)
+        if not storage.exists(path):
+            return None
+        steps = [r.get("step") for r in map(_record, storage.read_bytes(path).decode().splitlines())]
+        return max((s for s in steps if isinstance(s, int)), default=None)
+
+    def fence(self) -> None:
+        """Raises once this process cannot prove it still holds the model_dir's lease (``lease.py``):
+        training calls it before every save and at every loop boundary."""
+        self.lock.check()
 
     @contextlib.contextmanager
     def writing(self, sync, best: Checkpointer | None = None):
@@ -114,6 +144,7 @@ class RunDir:
             raise {
                 "ModelDirLockedError": ModelDirLockedError,
                 "ModelDirNotWritableError": ModelDirNotWritableError,
+                "StoreUnavailableError": StoreUnavailableError,
             }.get(kind, StorageError)(text)
         try:
             self.checkpoints.open_for_writing(primary)
@@ -127,7 +158,7 @@ class RunDir:
                 self.checkpoints.close_for_writing()
             finally:
                 if primary:
-                    self.lock.release()
+                    self.lock.release()  # never raises: the error in flight, if any, is the one reported
 
     @contextlib.contextmanager
     def recording(self, what: str):
@@ -159,6 +190,9 @@ class NoCheckpoints:
     saves = False
 
     def latest_step(self) -> None:
+        return None
+
+    def committed_step(self) -> None:
         return None
 
     def steps(self) -> list[int]:
@@ -200,8 +234,14 @@ class NoRunDir:
     def best(self, metric: str, direction: str) -> None:
         return None
 
-    def file_writers(self, tensorboard: bool) -> list:
+    def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
         return []
+
+    def last_train_step(self) -> None:
+        return None
+
+    def fence(self) -> None:
+        pass  # no lock to lose
 
     @contextlib.contextmanager
     def writing(self, sync, best=None):
@@ -212,19 +252,52 @@ class NoRunDir:
         yield True  # nothing to lock: trackers may still record
 
 
+_VARIABLE = re.compile(r"\$(?:(\w+)|\{(\w+)\})")  # $NAME or ${NAME}, as os.path.expandvars reads them
+
+
+def check_variables_set(model_dir) -> None:
+    """Refuses a model_dir that names an environment variable that is not set (``$RUNS/x`` would
+    otherwise be a folder literally named ``$RUNS``); set ones are expanded (``storage.expand``)."""
+    names = {match[1] or match[2] for match in _VARIABLE.finditer(os.fspath(model_dir))}
+    unset = sorted(name for name in names if name not in os.environ)
+    if unset:
+        raise ConfigError(
+            f"RunConfig(model_dir={os.fspath(model_dir)!r}) refers to {', '.join('$' + n for n in unset)}, not set "
+            f"in this environment; expected a path whose variables are all set. Fix: export {unset[0]}=..., or "
+            "write the path out."
+        )
+
+
+def check_not_below_file(url: str) -> None:
+    """Refuses a local model_dir that is a file, or lies below one: it can never hold a run."""
+    if storage.is_url(url):
+        return
+    path = url
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        where = "is" if path == url else f"lies below {path}, which is"
+        raise ConfigError(
+            f"RunConfig(model_dir={url!r}) {where} a file; expected a directory (new or existing) where "
+            "checkpoints and metrics can be written. Fix: choose a path that is not a file and not below one."
+        )
+
+
 def check_supported(url: str) -> None:
     """Refuses, before anything is written, a model_dir whose store cannot hold checkpoints."""
     kind = storage.scheme(url)
-    if kind in ("", "file", "gs"):
+    if kind in ("", "file", "gs", "s3"):
         return
-    if kind == "s3":
-        raise StorageError(
-            f"model_dir {url}: checkpoints cannot be written to s3:// yet (Orbax 0.12 writes gs:// and local "
-            "paths only: it fails with 'Checkpoint path should be absolute'). Expected a local path or gs://. "
-            "Fix: use gs://, a shared file system, or a mounted bucket (mountpoint-s3, s3fs-fuse) as a local "
-            "path; s3:// works for input data (ex.data readers) and exported models."
-        )
     raise StorageError(
-        f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths and "
-        "gs://). Expected a local path or gs://. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
+        f"model_dir {url}: {kind}:// cannot hold checkpoints (Orbax writes through tensorstore: local paths, "
+        "gs:// and s3://). Expected one of them. Fix: use one of them; RunConfig(model_dir=None) keeps nothing."
     )
+
+
+def _record(line: str) -> dict:
+    """A train record of ``metrics.jsonl``, else ``{}`` (another split, or a line cut short)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) and record.get("split") == "train" else {}

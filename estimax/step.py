@@ -82,10 +82,17 @@ class Core:
         if self.compute_dtype is not None:
             params, features = precision.cast_floating((params, features), self.compute_dtype)
         module = self.adapter.bind(params, model_state, mode, key)
+        hparams = {**self.hparams, "batch_size": batch_size}
         try:
-            spec = self.model_fn(module, features, labels, mode, {**self.hparams, "batch_size": batch_size})
+            spec = self.model_fn(module, features, labels, mode, hparams)
         except Exception as error:  # traced before compiling: said in terms of the input
-            explained = diagnose.model_fn_error(error, features, labels, mode)
+
+            def without_labels():
+                return self.model_fn(
+                    self.adapter.bind(params, model_state, PREDICT, None), features, None, PREDICT, hparams
+                )
+
+            explained = diagnose.model_fn_error(error, features, labels, mode, without_labels)
             if explained is None:
                 raise
             raise explained from error

@@ -7,7 +7,9 @@ needs on any store (through fsspec, which Orbax's ``etils.epath`` also uses),
 a conditional create (the lock), moving a directory (a rename on disk, copy
 then delete where a store has none), and checking a bucket before anything
 is written, so that a missing client library, credentials, bucket or
-permission is one line naming the URL and the fix. Does not own what is
+permission is one line naming the URL and the fix, and one client per
+store (``use_one_client``: ``gs://`` through gcsfs and the emulator the
+standard variable names, whatever else is installed). Does not own what is
 written where (``run_dir.py``) nor the checkpoint format (Orbax).
 """
 
@@ -22,6 +24,30 @@ from estimax.errors import StorageError
 
 # The client library and the extra that installs it, per URL scheme.
 CLIENTS = {"gs": ("gcsfs", "estimax[gcs]"), "s3": ("s3fs", "estimax[s3]")}
+# The GCS emulator variable of each C++ client: TensorStore's (Orbax's arrays), google-cloud-cpp's (ArrayRecord).
+EMULATOR_VARIABLES = ("TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+
+
+def use_one_client() -> None:
+    """Sends every ``gs://`` access through the clients estimax checks, whatever else is installed.
+
+    With TensorFlow importable, etils.epath (Orbax's paths) would read ``gs://``
+    through ``tf.io.gfile``, a second client that ignores ``STORAGE_EMULATOR_HOST``:
+    ``EPATH_USE_TF=false`` keeps it on fsspec (gcsfs), as estimax's own files are.
+    It must be set before etils first resolves a ``gs://`` path (it caches the
+    choice), hence on import. The C++ clients each read their own emulator
+    variable: they are derived from ``STORAGE_EMULATOR_HOST``, the one the
+    Python clients read, on every store access. A variable already set is kept.
+    """
+    os.environ.setdefault("EPATH_USE_TF", "false")
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if host:
+        endpoint = host if "://" in host else f"http://{host}"
+        for variable in EMULATOR_VARIABLES:
+            os.environ.setdefault(variable, endpoint)
+
+
+use_one_client()
 
 
 def expand(path: str | os.PathLike) -> str:
@@ -65,6 +91,7 @@ def filesystem(path: str):
     """``(fsspec filesystem, path within it)``; a missing client library is a ``StorageError``."""
     import fsspec
 
+    use_one_client()
     try:
         return fsspec.core.url_to_fs(path)
     except ImportError:
@@ -177,6 +204,13 @@ def move(source: str, target: str) -> None:
     fs.copy(inner, inner_target, recursive=True)
     fs.rm(inner, recursive=True)
     _forget_listings(fs)
+
+
+def forget_listings(path: str) -> None:
+    """Makes the next listing of ``path``'s store ask the store: its client (Orbax's too) caches listings,
+    which miss what another process wrote since."""
+    if is_url(path):
+        _forget_listings(filesystem(path)[0])
 
 
 def _forget_listings(fs) -> None:

@@ -22,7 +22,7 @@ from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
-from estimax.errors import ConfigError, NonFiniteError
+from estimax.errors import ConfigError, LeaseLostError, NonFiniteError, StoreUnavailableError
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
@@ -101,11 +101,13 @@ class TrainingLoop:
         sync: Sync | None = None,
         exact_stops: bool | None = None,
         saved_position: Callable = lambda position: position,
+        fence: Callable[[], None] = lambda: None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
         self.saved_position = saved_position  # what a checkpoint keeps of the input's position
+        self.fence = fence  # raises once the model_dir's lease is lost: nothing more may be written
         # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
         self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
@@ -127,6 +129,7 @@ class TrainingLoop:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {info.start_step})")
+        self.sync.track_checkpoints(self.checkpointer.committed_step)  # named if a process is lost
         try:
             with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
                 state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
@@ -175,6 +178,7 @@ class TrainingLoop:
         device's idle seconds before this dispatch) is reported with the next loop read.
         """
         before, step = current.step_before, current.step_after
+        self.fence()
         due, stop = self.checkpointer.due(before, step), False
         with self._saving_on_error(state, current, due):
             if unread is not None:
@@ -223,8 +227,8 @@ class TrainingLoop:
         the checkpoint that was due there: it is saved, then the error goes on."""
         try:
             yield
-        except NonFiniteError:
-            raise  # never save a state that came out of a NaN
+        except (NonFiniteError, LeaseLostError, StoreUnavailableError):
+            raise  # never save a state that came out of a NaN, nor without the lease
         except Exception:
             if due and loop is not None:
                 self._save(state, loop)
@@ -285,6 +289,7 @@ class TrainingLoop:
         self._checked(loop)  # never save a state that came out of a NaN
         timer = time.perf_counter()
         self.sync.barrier(f"the checkpoint of step {loop.step_after}")
+        self.fence()
         self.checkpointer.save(loop.step_after, state, self.saved_position(loop.input_state), loop=self.runner.loop)
         elapsed = time.perf_counter() - timer
         self.seconds["checkpoint"] += elapsed
@@ -314,6 +319,7 @@ class TrainingLoop:
                     f"Best(metric={evaluation.best_metric!r}) is not among the evaluation's metrics "
                     f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
                 )
+            self.fence()
             evaluation.best.save(loop.step_after, state, self.saved_position(loop.input_state), metrics=metrics)
         return stop and not final
 

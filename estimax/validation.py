@@ -1,24 +1,32 @@
-"""Checks that run before the first training step, so that no step is trained in vain.
+"""Checks that run before a call does any work, so that no step is trained (or evaluated) in vain.
 
-Owns the up-front checks of a ``train``/``train_and_evaluate`` call that do
-not need a compiled step: hooks that are not ``Hook``s, and the metric names
-that ``Best`` and early stopping refer to, derived from the abstract
-evaluation outputs (``jax.eval_shape`` of the model_fn in EVAL mode on the
-shapes of the first evaluation batch: nothing is evaluated). Batch sizes are
-checked by ``data/plan.py``, writability by ``lock.py``.
+Owns the up-front checks that do not need a compiled step: the model_fn's
+signature, hooks that are not ``Hook``s, and ``ModeChecks``, which traces the
+model_fn abstractly in each mode a call will use (``jax.eval_shape`` on the
+shapes of the first batch of the call's input: nothing is compiled,
+allocated or evaluated): TRAIN for ``train``, also EVAL for
+``train_and_evaluate`` (scalars where the input may pad a batch; the metric
+names that ``Best`` and early stopping refer to), EVAL for ``evaluate``,
+PREDICT for ``predict``. Batch sizes are checked by ``data/plan.py``,
+writability by ``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
 
+from estimax import metrics as metrics_lib
 from estimax.config import Best
-from estimax.data.source import Source
+from estimax.data import checks
+from estimax.data.source import SizedSource, Source
+from estimax.errors import ModelFnError
 from estimax.hooks import EarlyStopping, Hook
+from estimax.spec import EVAL, PREDICT, TRAIN
 
 
 def check_hooks(hooks) -> list[Hook]:
@@ -105,18 +113,92 @@ def check_model_fn(model_fn) -> None:
         pass
 
 
-def check_eval_metrics_exist(core, abstract_state, mesh, batch_size: int, inputs, used: dict[str, str]) -> None:
-    """Raises unless every metric in ``used`` is among the evaluation's outputs, traced abstractly on
-    the first batch of the first of ``inputs`` that can be read again (the evaluation input, else the
-    training input); nothing is compiled or evaluated. The trace also checks the model_fn's EVAL-mode
-    Spec (metric names that collide, shapes), so that a mistake there stops before the first training
-    step. Plain iterables are checked at the first evaluation instead."""
-    from estimax import metrics as metrics_lib
+class ModeChecks:
+    """Traces a model_fn abstractly in the modes a call will use, before that call does any work.
 
-    host_batch = batch_size // jax.process_count()
-    batch = next((b for b in (first_eval_batch(i, host_batch) for i in inputs) if b is not None), None)
-    if batch is None:
-        return
-    with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
-        values, _ = jax.eval_shape(core.eval_values, abstract_state, abstract_batch(batch, batch_size))
-    check_metric_names(used, metric_names(metrics_lib.result_names(values, batch_size)))
+    Each trace is a ``jax.eval_shape`` on the shapes of the first batch of the call's own input,
+    with the global batch of that mode (``plan.global_batch``): nothing is compiled, allocated or
+    evaluated. What the model_fn raises is retold by ``diagnose.py`` (a ``ModelFnError``); what it
+    returns is checked by ``step.check_spec``. Each method returns the input to use from then on:
+    an iterator whose first batch was read has it put back.
+    """
+
+    def __init__(self, core, abstract_state, plan):
+        self.core, self.abstract_state, self.plan = core, abstract_state, plan
+
+    def _trace(self, fn, batch, batch_size: int):
+        with jax.set_mesh(self.plan.layout.mesh):  # modules that declare shardings need a mesh to trace
+            return jax.eval_shape(fn, self.abstract_state, abstract_batch(batch, batch_size))
+
+    def train(self, input):
+        """TRAIN mode, on micro-batches where gradients are accumulated."""
+        batch, input = peek(input)
+        if batch is not None:
+            micro_batch_size = self.plan.global_batch(TRAIN) // self.core.grad_accum_steps
+            self._trace(
+                lambda s, b: self.core.call(s.params, s, b, TRAIN, micro_batch_size)[0].loss, batch, micro_batch_size
+            )
+        return input
+
+    def evaluate(self, input, used: dict[str, str] | None = None):
+        """EVAL mode: values that padding would corrupt (scalars) where the input may pad a batch,
+        and the metric names in ``used`` (``metrics_used``) among the evaluation's results."""
+        batch, input = peek(input)
+        if batch is None:
+            return input
+        batch_size = self.plan.global_batch(EVAL)
+        values, _ = self._trace(self.core.eval_values, batch, batch_size)
+        scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and not v.shape)
+        why = padding(input, batch_size)
+        if scalars and why is not None:
+            raise ModelFnError(
+                f"model_fn returned scalar {scalars} in eval mode (one value for the whole batch, e.g. a "
+                f"`.mean()`), and {why}: a scalar cannot leave the padding out. Expected per-example values of "
+                f"shape ({batch_size},). Fix: return the per-example loss and metrics (drop the `.mean()`); "
+                "training and evaluation average them, with the padding masked."
+            )
+        if used:
+            check_metric_names(used, metric_names(metrics_lib.result_names(values, batch_size)))
+        return input
+
+    def predict(self, input):
+        """PREDICT mode, with the labels the input has (none, mostly)."""
+        batch, input = peek(input)
+        if batch is not None:
+            self._trace(self.core.predict_step, batch, self.plan.global_batch(PREDICT))
+        return input
+
+
+def peek(input) -> tuple:
+    """``(the first batch of input or None, the input to use from now on)``.
+
+    A ``Source`` is read again from its start (its first example only); a plain iterator gives its
+    first batch, which is put back in front; another iterable is iterated once more. ``None`` where
+    there is no (features, labels) batch to read: the input's own checks say why when it is used.
+    """
+    checks.check_source(input)
+    if isinstance(input, Source):
+        first = first_eval_batch(input, 1)
+    elif isinstance(input, Iterable):
+        batches = iter(input)
+        first = next(batches, None)
+        if batches is input and first is not None:
+            input = itertools.chain([first], batches)
+    else:
+        return None, input
+    if not (isinstance(first, tuple) and len(first) == 2):
+        return None, input
+    checks.describe(first)  # text or ragged arrays: the input's own error, not a tracing one
+    return first, input
+
+
+def padding(input, batch_size: int) -> str | None:
+    """Why evaluating ``input`` in global batches of ``batch_size`` may pad a batch; ``None``: it cannot."""
+    if not isinstance(input, SizedSource):
+        return f"an input of unknown length ({type(input).__name__}) may end in a short batch, padded"
+    if len(input) % batch_size:
+        rest = len(input) % batch_size
+        return f"its {len(input)} examples in batches of {batch_size} end in a batch that is padded ({rest} valid rows)"
+    if jax.process_count() > 1:
+        return f"its shards over {jax.process_count()} processes may end in padded batches"
+    return None

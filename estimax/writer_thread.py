@@ -7,7 +7,8 @@ taking records; the next record handed to it (or ``close``) raises a
 ``WriterError`` naming the writer, where it writes, and the cause, so that
 training saves the checkpoint due and stops with one line. Every wait here
 is bounded: a full queue for ``PUT_TIMEOUT`` seconds, the last records at
-``close`` for ``CLOSE_TIMEOUT``. Owns the thread and the queue; does not own
+``close`` for ``CLOSE_TIMEOUT``. ``writable()`` says whether the writer may
+write at all (a lost lease on the model_dir: nothing more is written). Owns the thread and the queue; does not own
 what a writer writes (``writers.py``, ``trackers.py``).
 """
 
@@ -30,8 +31,8 @@ class InBackground:
     PUT_TIMEOUT = 60.0
     CLOSE_TIMEOUT = 120.0
 
-    def __init__(self, writer, where: str, max_pending: int = 1024):
-        self.writer, self.where = writer, where
+    def __init__(self, writer, where: str, writable=lambda: True, max_pending: int = 1024):
+        self.writer, self.where, self.writable = writer, where, writable
         self.every_step = getattr(writer, "every_step", False)
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._error: BaseException | None = None
@@ -64,14 +65,14 @@ class InBackground:
             item = self._queue.get()
             if item is _CLOSE:
                 break
-            if self._error is not None:
-                continue  # failed: the records left are dropped; the error is raised in training
+            if self._error is not None or not self.writable():
+                continue  # failed, or the model_dir's lease is lost (training says so): records are dropped
             function, args = item
             try:
                 function(*args)
             except BaseException as error:  # noqa: BLE001 - handed to the training thread
                 self._error = error
-        if self._error is None:
+        if self._error is None and self.writable():
             try:
                 self.writer.close()
             except BaseException as error:  # noqa: BLE001

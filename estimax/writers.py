@@ -37,26 +37,46 @@ class JsonlWriter:
     object is rewritten whole (it cannot be appended to): at every evaluation and
     summary, at most every ``STORE_FLUSH_SECONDS`` for train records, and at
     ``close``; a new writer continues the object a previous run left.
+
+    ``continuing_from``: the step a training run starts from. The records past
+    it, left by a run that died after its last checkpoint, are dropped before
+    this run's first record (the file or object rewritten whole, atomically),
+    so that a reader sees each step once, in order, after any restart.
     """
 
     STORE_FLUSH_SECONDS = 10.0
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, continuing_from: int | None = None):
         self.path = path
+        self.continuing_from = continuing_from
         self._on_store = storage.is_url(path)
-        self._lines: list[str] | None = None  # on a store: the object's records, then this run's
+        self._lines: list[str] | None = None  # on a store: what the object held, then this run's records
         self._unflushed = False
         self._flushed = time.monotonic()
 
+    def _open(self) -> str:
+        """What the file holds, less the records past ``continuing_from``; on disk, with nothing to
+        drop, nothing is read (records are appended)."""
+        if (self.continuing_from is None and not self._on_store) or not storage.exists(self.path):
+            return ""
+        text = storage.read_bytes(self.path).decode()
+        if self.continuing_from is not None:
+            kept = records_up_to(text, self.continuing_from)
+            if kept != text:
+                storage.write_bytes(self.path, kept.encode())
+                text = kept
+        return text
+
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
+        if self._lines is None:
+            held = self._open()
+            self._lines = [held] if self._on_store else []
         line = json.dumps({"split": split, "step": step, **values}) + "\n"
         if not self._on_store:
             storage.makedirs(storage.parent(self.path))
             with open(self.path, "a") as f:
                 f.write(line)
             return
-        if self._lines is None:
-            self._lines = [storage.read_bytes(self.path).decode()] if storage.exists(self.path) else []
         self._lines.append(line)
         self._unflushed = True
         if split != "train" or time.monotonic() - self._flushed > self.STORE_FLUSH_SECONDS:
@@ -71,6 +91,20 @@ class JsonlWriter:
         self.flush()
 
 
+def records_up_to(text: str, step: int) -> str:
+    """The lines of ``metrics.jsonl`` text a run continuing from ``step`` keeps: all but the records
+    past ``step`` and a last line cut short (no newline: its writer was killed mid-line)."""
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            record_step = None  # not a record of ours: kept as it is
+        if line.endswith("\n") and not (isinstance(record_step, int) and record_step > step):
+            kept.append(line)
+    return "".join(kept)
+
+
 class TensorBoardWriter:
     """Scalars in ``<logdir>/<split>/`` event files, one run per split, so that train and eval
     curves of the same name overlay in TensorBoard.
@@ -81,19 +115,26 @@ class TensorBoardWriter:
     per split every ``FLUSH_SECONDS``, on an object store uploaded as a new
     event file every ``STORE_FLUSH_SECONDS`` (TensorBoard reads the files of a
     run in name order); evaluations and the summary are flushed at once.
+
+    ``continuing_from``: the step a training run starts from. Its first event in
+    every split (those it will not write too) is a ``SessionLog.START`` at the
+    next step, with which TensorBoard drops the events a run that died after its
+    last checkpoint left past it; the files themselves are not rewritten.
     """
 
     every_step = True
     FLUSH_SECONDS = 2.0
-    STORE_FLUSH_SECONDS = 30.0
+    STORE_FLUSH_SECONDS = 10.0
 
-    def __init__(self, logdir: str):
+    def __init__(self, logdir: str, continuing_from: int | None = None):
         self.logdir = logdir
         self._on_store = storage.is_url(logdir)
         self._encoder = events.ScalarEncoder()
         self._pending: dict[str, list[bytes]] = {}
         self._files: dict[str, str] = {}  # on disk: the event file of each split
         self._flushed = time.monotonic()
+        self._start = None if continuing_from is None else events.session_start(continuing_from + 1)
+        self._started: set[str] | None = None  # the splits given the start event; None: none yet
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         self._pending.setdefault(split, []).append(self._encoder.event(step, values, time.time()))
@@ -112,7 +153,14 @@ class TensorBoardWriter:
             self.flush()
 
     def flush(self) -> None:
+        if self._start is not None and self._started is None:  # the splits earlier runs wrote
+            self._started = set()
+            for split in storage.listdir(self.logdir):
+                self._pending.setdefault(split, [])
         for split, records in self._pending.items():
+            if self._start is not None and split not in self._started:
+                self._started.add(split)
+                records.insert(0, self._start)
             if not records:
                 continue
             data = b"".join(records)

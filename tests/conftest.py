@@ -16,6 +16,17 @@ def pytest_configure(config):
     assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX was initialised too early"
 
 
+@pytest.fixture(scope="session")
+def uninterrupted_two_processes(tmp_path_factory):
+    """The result of tests/multihost_job.py trained uninterrupted by 2 processes x 4 devices on a local
+    model_dir: what a killed and restarted group on any store must end with, bit for bit."""
+    from test_distributed import STEPS, _finish, _launcher, _result
+
+    root = tmp_path_factory.mktemp("uninterrupted-two-processes")
+    _finish(_launcher(str(root / "run"), str(root / "out"), "train", str(STEPS)))
+    return _result(root / "out")
+
+
 @pytest.fixture
 def model_dir(tmp_path):
     return str(tmp_path / "run")

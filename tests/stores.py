@@ -1,8 +1,9 @@
-"""Real storage servers on 127.0.0.1 for the tests: the GCS emulator (fake-gcs-server)."""
+"""Real storage servers on 127.0.0.1 for the tests: the GCS emulator (fake-gcs-server) and moto's S3 server."""
 
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
@@ -73,37 +74,50 @@ def gcs(tmp_path_factory):
 
 
 class S3Server:
-    """moto's S3 server on 127.0.0.1, in this process; clients find it through the standard AWS variables."""
+    """moto's S3 server on 127.0.0.1, in a process of its own (in this one, it would compete with the code
+    under test for the interpreter); clients find it through the standard AWS variables. Its request
+    recording (``/moto-api/recorder/...``) is kept in ``root``."""
 
-    def __init__(self, buckets=("bkt",)):
-        from moto.server import ThreadedMotoServer
-
+    def __init__(self, root: str, buckets=("bkt",)):
         self.port = free_port()
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port)
-        self.server.start()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.env = {
-            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.port}",
+            "AWS_ENDPOINT_URL": self.url,
             "AWS_ACCESS_KEY_ID": "test",
             "AWS_SECRET_ACCESS_KEY": "test",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
+        self._wait_until_ready()
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+        client = boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
                               aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
 
+    def _wait_until_ready(self) -> None:
+        for _ in range(400):  # the server answers within a few seconds
+            try:
+                urllib.request.urlopen(f"{self.url}/moto-api/data.json", timeout=1).read()
+                return
+            except OSError:
+                assert self.process.poll() is None, "moto's server exited"
+                time.sleep(0.05)
+        raise AssertionError("moto's server did not answer")
+
     def stop(self) -> None:
-        self.server.stop()
+        self.process.terminate()
+        self.process.wait()
 
 
 @pytest.fixture(scope="session")
-def s3():
+def s3(tmp_path_factory):
     """moto's S3 server, with this process's environment pointing at it for the whole session."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    server = S3Server()
+    server = S3Server(str(tmp_path_factory.mktemp("s3")))
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
     yield server

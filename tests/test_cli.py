@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -53,11 +55,21 @@ def test_help_version_and_argument_errors_do_not_import_jax():
         "import sys\nfrom estimax import cli\ntry:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n"
         "    code = e.code\nprint('CODE', code, 'JAX', 'jax' in sys.modules, 'NUMPY', 'numpy' in sys.modules)"
     )
-    for args, code in ((["--help"], 0), (["train", "--help"], 0), (["--version"], 0), (["train", "--seed", "x"], 2)):
+    mistakes = {  # --set mistakes too: read from the task's source, before its imports
+        ("train", "--seed", "x"): "argument --seed: received 'x'",
+        ("train", "--set", "hiden=64"): "--set hiden=64: 'hiden' is not in params; known names: image_size, lea",
+        ("evaluate", "--set", "learning_rate=fast"): "--set learning_rate=fast: not a float like its default 0.001",
+        ("predict", "--input", "new.txt"): "--input new.txt: no reader for '.txt'; expected one of .npz, .npy",
+    }
+    for args, code in [(["--help"], 0), (["train", "--help"], 0), (["--version"], 0), *((a, 2) for a in mistakes)]:
         result = subprocess.run(
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}
         )
         assert f"CODE {code} JAX False NUMPY False" in result.stdout, (args, result.stdout, result.stderr)
+        assert mistakes.get(tuple(args), "") in (result.stderr.splitlines() or [""])[-1], result.stderr
+        assert (
+            code or "pip install '.[docs]' && mkdocs serve" in " ".join(result.stdout.split()) or args == ["--version"]
+        )
     version = _run("--version").stdout
     assert re.fullmatch(r"estimax \d+\.\d+\.\d+\S* \(Python 3\.\d+\.\d+, jax \S+, flax \S+\)\n", version), version
 
@@ -101,13 +113,8 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert re.search(rf"estimax: error: No checkpoint in {tmp_path}/empty: nothing trained", result.stderr)
         assert "predictions" not in result.stdout
-    result = _run("train", "--set", "learning_rate=fast", cwd=tmp_path)
-    line = "estimax: error: --set learning_rate=fast: not a float like its default 0.001"
-    assert result.returncode == 2 and result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1
-    result = _run("train", "--set", "learning_rate=fast", "--debug", cwd=tmp_path)
-    assert (
-        result.returncode == 1 and "Traceback" in result.stderr and "ValueError: --set learning_rate" in result.stderr
-    )
+    result = _run("train", "--data-dir", str(tmp_path), "--debug", cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" in result.stderr and "ValueError: --data-dir" in result.stderr
 
 
 def test_a_task_with_a_syntax_error_names_the_file_and_line(tmp_path):
@@ -132,3 +139,30 @@ def test_a_set_value_that_breaks_the_model_names_it(tmp_path):
     result = _run("train", "--set", "image_size=4", "--max-steps", "1", cwd=tmp_path)  # fails in the first step
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines()[-1].startswith("estimax: error: With --set image_size=4, the model_fn fails:")
+
+
+def test_set_names_are_read_from_the_source_only_where_it_declares_them(tmp_path):
+    from estimax.cli import task as task_lib
+
+    sources = {  # the task's source -> whether `--set extra=1` is refused before the module is imported
+        'params = {"hidden": 16}\n': True,
+        'params: dict = dict(hidden=16)\nrate = params["hidden"] * 2\n': True,
+        'params = {"hidden": 16}\nparams["extra"] = 0\n': False,  # known once the module has run
+        'params = {"hidden": 16}\nparams.update(extra=0)\n': False,
+        'params = {"hidden": 16}\nparams |= {"extra": 0}\n': False,
+        'params = {**BASE, "hidden": 16}\n': False,
+        "params = make_params()\n": False,
+    }
+    for number, (source, refused) in enumerate(sources.items()):
+        path = tmp_path / f"task_{number}.py"
+        path.write_text(source)
+        try:
+            task_lib.check_sets(str(path), [("extra", "1")])
+        except ValueError as error:
+            assert refused and "'extra' is not in params; known names: hidden" in str(error), source
+        else:
+            assert not refused, source
+    (tmp_path / "computed.py").write_text('SIZE = 4\nparams = {"hidden": SIZE, "rate": 0.1}\n')
+    task_lib.check_sets(str(tmp_path / "computed.py"), [("hidden", "not checked: not a literal")])
+    with pytest.raises(ValueError, match=r"--set rate=fast: not a float like its default 0.1"):
+        task_lib.check_sets(str(tmp_path / "computed.py"), [("rate", "fast")])

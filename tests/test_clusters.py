@@ -32,7 +32,8 @@ def test_skypilot():
     env = {"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1"}
     assert clusters.detect(env) == clusters.Placement("SkyPilot", "10.0.0.5:8476", 2, 1)
     assert clusters.detect({**env, "ESTIMAX_COORDINATOR_PORT": "9000"}).coordinator == "10.0.0.5:9000"
-    assert clusters.detect({**env, "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_IPS": "10.0.0.5"}) is None  # one node
+    one_node = {**env, "SKYPILOT_NUM_NODES": "1", "SKYPILOT_NODE_IPS": "10.0.0.5", "SKYPILOT_NODE_RANK": "0"}
+    assert clusters.detect(one_node) is None
 
 
 def test_kubernetes_indexed_job():
@@ -47,7 +48,7 @@ def test_kubernetes_indexed_job():
 def test_slurm_one_task_per_node_drives_every_gpu_of_its_node():
     node = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1"}
     one_per_node = {**node, "SLURM_NTASKS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": EIGHT_GPUS}
-    assert clusters.detect(one_per_node) == clusters.Placement("SLURM", local_device_ids=tuple(range(8)))
+    assert clusters.detect(one_per_node) == clusters.Placement("SLURM", None, 2, 1, tuple(range(8)))
     # 8 tasks on each of 2 nodes, all 8 GPUs visible to each: task 3 of its node drives GPU 3.
     per_gpu = {**node, "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
     assert clusters.detect({**per_gpu, "CUDA_VISIBLE_DEVICES": EIGHT_GPUS}).local_device_ids == (3,)
@@ -61,13 +62,106 @@ def test_slurm_one_task_per_node_drives_every_gpu_of_its_node():
 def test_open_mpi_gives_each_rank_its_share():
     env = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
     env |= {"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "CUDA_VISIBLE_DEVICES": EIGHT_GPUS}
-    assert clusters.detect(env) == clusters.Placement("Open MPI", local_device_ids=(4, 5, 6, 7))
+    assert clusters.detect(env) == clusters.Placement("Open MPI", None, 4, 3, (4, 5, 6, 7))
 
 
 def test_no_manager_and_launch_children_see_none():
     assert clusters.detect({"HOME": "/root", "PATH": "/bin"}) is None
     env = {"SLURM_JOB_ID": "7", "OMPI_COMM_WORLD_SIZE": "2", "JAX_COORDINATOR_ADDRESS": "h:1", "PATH": "/bin"}
     assert clusters.without_manager({**env, "SKYPILOT_NODE_RANK": "1", "JOB_COMPLETION_INDEX": "0"}) == {"PATH": "/bin"}
+
+
+def _one_line(env, match):
+    with pytest.raises(DistributedError, match=match) as error:
+        clusters.detect(env)
+    assert "\n" not in str(error.value) and "Fix: " in str(error.value)
+
+
+SLURM_TASK = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_NODEID": "1"}
+SKYPILOT_NODE = {"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_RANK": "1"}
+
+
+def test_contradicting_variables_are_one_line_naming_the_manager_the_variable_and_its_value():
+    _one_line(
+        {**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""},
+        r"^SkyPilot: SKYPILOT_NODE_IPS='' lists 0 node IPs and SKYPILOT_NUM_NODES=2; expected one IP per node",
+    )
+    _one_line(
+        {**SKYPILOT_NODE, "SKYPILOT_NODE_RANK": "-1"},
+        r"^SkyPilot: SKYPILOT_NODE_RANK=-1, SKYPILOT_NUM_NODES=2; expected a rank from 0 to 1\.",
+    )
+    _one_line(
+        {**SLURM_TASK, "SLURM_NTASKS_PER_NODE": "0"},
+        r"^SLURM: SLURM_NTASKS_PER_NODE='0' with SLURM_NODEID=0; expected a count >= 1 of tasks for this node",
+    )
+    _one_line(  # before: GPUs 6 and 7 of a node of 4
+        {**SLURM_TASK, "SLURM_LOCALID": "3", "SLURM_NTASKS_PER_NODE": "2", "CUDA_VISIBLE_DEVICES": "0,1,2,3"},
+        r"^SLURM: SLURM_LOCALID=3 with SLURM_NTASKS_PER_NODE='2'; expected a local rank from 0 to 1",
+    )
+    _one_line(  # a second task of its node, but how many the node runs is not said: no share can be chosen
+        {**SLURM_TASK, "SLURM_LOCALID": "1", "CUDA_VISIBLE_DEVICES": "0,1"},
+        r"^SLURM: SLURM_LOCALID=1 with none of SLURM_STEP_TASKS_PER_NODE, SLURM_NTASKS_PER_NODE",
+    )
+    mpi = {"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "1"}
+    _one_line(  # before: GPUs 2 and 3 of a node of 2
+        {**mpi, "CUDA_VISIBLE_DEVICES": "0,1"},
+        r"^OMPI_COMM_WORLD_LOCAL_RANK is set, so this looks like Open MPI, but OMPI_COMM_WORLD_LOCAL_SIZE is not",
+    )
+    _one_line(
+        {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "5"},
+        r"^Kubeflow Trainer: JAX_PROCESS_ID=5, JAX_NUM_PROCESSES=2; expected a rank from 0 to 1\.",
+    )
+    pod = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "ESTIMAX_NUM_PROCESSES": "2", "ESTIMAX_COORDINATOR": "t-0.t:1"}
+    _one_line(
+        {**pod, "JOB_COMPLETION_INDEX": "5"},
+        r"^Kubernetes Indexed Job: JOB_COMPLETION_INDEX=5, ESTIMAX_NUM_PROCESSES=2; expected a rank from 0 to 1\.",
+    )
+    _one_line(
+        {**SLURM_TASK, **SKYPILOT_NODE},
+        r"^The variables of two cluster managers are set and contradict: SkyPilot places this process as process 1 "
+        r"of 2 \(SKYPILOT_NODE_RANK=1, SKYPILOT_NUM_NODES=2\), SLURM as process 3 of 4 \(SLURM_PROCID=3, "
+        r"SLURM_NTASKS=4\)",
+    )
+
+
+def test_a_process_never_picks_a_gpu_that_its_node_does_not_have():
+    for visible in range(1, 9):
+        for on_node in range(1, 9):
+            for local in range(on_node):
+                env = {**SLURM_TASK, "SLURM_LOCALID": str(local), "SLURM_NTASKS_PER_NODE": str(on_node)}
+                gpus = clusters.detect({**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, range(visible)))})
+                assert gpus.local_device_ids and set(gpus.local_device_ids) <= set(range(visible))
+
+
+def test_two_managers_that_agree_and_idle_gpus_are_warnings(estimax_log):
+    agreeing = {**SKYPILOT_NODE, **SLURM_TASK, "SLURM_NTASKS": "2", "SLURM_PROCID": "1"}
+    assert clusters.detect(agreeing).manager == "SkyPilot"
+    mpi = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_RANK": "5"}  # mpirun inside an sbatch allocation
+    assert clusters.detect({**SLURM_TASK, **mpi}).process_id == 5
+    three = {
+        **SLURM_TASK,
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "3(x2)",
+        "CUDA_VISIBLE_DEVICES": EIGHT_GPUS,
+    }
+    assert clusters.detect(three).local_device_ids == (0, 1)
+    assert [r.getMessage() for r in estimax_log.records if r.levelname == "WARNING"] == [
+        "The variables of SkyPilot and SLURM are both set; using SkyPilot's: it comes first in estimax's order "
+        "(Kubeflow Trainer, SkyPilot, Kubernetes Indexed Job, Open MPI, SLURM); they agree: process 1 of 2.",
+        "The variables of Open MPI and SLURM are both set; using Open MPI's: mpirun started this process inside the "
+        "SLURM allocation (JAX reads them in the same order).",
+        "SLURM: 3 processes on this node (SLURM_STEP_TASKS_PER_NODE='3(x2)', SLURM_NODEID=1) share the node's 8 "
+        "visible GPUs 2 each; GPUs 6, 7 stay idle. Fix: run 1, 2, 4, 8 processes per node, or bind GPUs to tasks (e.g. "
+        "--gpus-per-task).",
+    ]
+
+
+def test_the_command_line_stops_on_contradicting_variables_before_anything_starts(tmp_path):
+    env = _env(**{**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""})
+    command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", str(tmp_path / "run"), "--max-steps", "1"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
+    assert result.stderr.strip().splitlines()[-1].startswith("estimax: error: SkyPilot: SKYPILOT_NODE_IPS='' lists 0")
 
 
 # -- real groups of two processes -----------------------------------------------------------
@@ -186,6 +280,9 @@ def test_launch_inside_a_managed_step_gives_children_their_own_group_and_gpus():
     out = subprocess.run([*command, LAUNCHED], env=env, capture_output=True, text=True, timeout=120).stdout
     children = sorted(line.split("ENV ", 1)[1] for line in out.splitlines() if "ENV " in line)
     assert children == ['{"ESTIMAX_PROCESS_ID": "0"} 2,3', '{"ESTIMAX_PROCESS_ID": "1"} 4,5'], out
+    command[command.index("--num-processes") + 1] = "3"
+    out = subprocess.run([*command, LAUNCHED], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "[launch] warning: 3 processes share the node's 4 visible GPUs 1 each; GPUs 5 stay idle." in out
 
 
 SIGNALLED = textwrap.dedent(

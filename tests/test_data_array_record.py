@@ -141,8 +141,7 @@ def test_grain_worker_processes_read_the_same_batches(tmp_path):
         np.testing.assert_array_equal(got[0]["x"], want[0]["x"])
 
 
-def test_gs_files_are_read_by_the_format_reader(gcs, monkeypatch):
-    monkeypatch.setenv("CLOUD_STORAGE_EMULATOR_ENDPOINT", gcs.url)  # the ArrayRecord reader's emulator variable
+def test_gs_files_are_read_by_the_format_reader(gcs):
     for k in range(2):
         ex.data.array_record.write(f"gs://bkt/ar/part-{k}.array_record", [{"id": 10 * k + i} for i in range(3)])
     pattern = "gs://bkt/ar/part-*.array_record"
@@ -201,3 +200,23 @@ def test_errors_name_the_file_and_the_record(tmp_path):
         ex.data.array_record.write(tmp_path / "absent" / "a.array_record", [{"x": 1}])
     with pytest.raises(ConfigError, match=r"write\(options='group_size:1,bogus'\): Unknown option bogus"):
         ex.data.array_record.write(good, [{"x": 1}], options="group_size:1,bogus")
+
+
+def test_write_names_a_feature_it_cannot_encode_and_leaves_nothing_half_written(tmp_path):
+    path = tmp_path / "w.array_record"
+    ex.data.array_record.write(path, [{"id": i} for i in range(3)])
+    before = path.read_bytes()
+    rule = r"a tf\.train\.Example feature holds floats \(float_list\), integers or booleans \(int64_list\), or one"
+    with pytest.raises(InputError, match=rf"^Feature 'name' has dtype <U3; {rule}.*Fix: encode it, e\.g\. "):
+        ex.data.array_record.write(path, [{"id": 0, "name": np.array(["abc"])}])
+
+    def raises_half_way():
+        yield from ({"id": i} for i in range(5))
+        raise OSError("the source went away")
+
+    with pytest.raises(OSError, match="the source went away"):
+        ex.data.array_record.write(path, raises_half_way())
+    assert path.read_bytes() == before  # the earlier file is kept whole
+    with pytest.raises(OSError, match="the source went away"):
+        ex.data.array_record.write(tmp_path / "new.array_record", raises_half_way())
+    assert sorted(os.listdir(tmp_path)) == ["w.array_record"]  # no partial file, under any name

@@ -181,6 +181,17 @@ def test_bad_examples_are_named():
         estimator().evaluate(ex.data.from_grain(grain.MapDataset.range(64)))
 
 
+def test_a_grain_dataset_of_examples_passed_as_it_is_says_to_wrap_it(model_dir):
+    wrap = r"Fix: ex\.data\.from_grain\(dataset\)"
+    with pytest.raises(ex.errors.InputError, match=rf"^Input is a Grain MapMapDataset of single examples.*{wrap}"):
+        estimator(model_dir).train(_grain_examples(64), max_steps=2)
+    assert not os.path.exists(model_dir)
+    streaming = _grain_examples(64).to_iter_dataset()  # read as batches: its first one has scalars
+    fix = r"Fix: feed batches, e\.g\. ex\.data\.from_grain\(dataset\) for a Grain dataset of single examples"
+    with pytest.raises(ValueError, match=rf"^Input features\['id'\] is a scalar; expected one row per example\. {fix}"):
+        estimator().evaluate(streaming)
+
+
 def test_input_wait_fraction_is_logged_and_large_only_when_input_is_slow(model_dir):
     features, labels = blobs(512)
 

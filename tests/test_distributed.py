@@ -263,6 +263,12 @@ def test_initialize_names_what_is_missing(monkeypatch):
     monkeypatch.delenv(distributed.NUM_PROCESSES_ENV)
     with pytest.raises(ValueError, match=r"Fix: also set num_processes, process_id"):
         distributed.initialize("127.0.0.1:1234")
+    monkeypatch.setenv(distributed.PROCESS_ID_ENV, "5")
+    with pytest.raises(ValueError, match=r"received process_id=5 with num_processes=2 .*expected a process_id from 0"):
+        distributed.initialize("127.0.0.1:1234", 2)
+    monkeypatch.setenv("ESTIMAX_PEER_TIMEOUT_SECONDS", "0")
+    with pytest.raises(ValueError, match=r"received ESTIMAX_PEER_TIMEOUT_SECONDS='0'; expected a positive number"):
+        distributed.initialize("127.0.0.1:1234", 2)
 
 
 def test_launch_checks_its_arguments():

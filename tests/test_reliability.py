@@ -23,6 +23,7 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
+from estimax.errors import EvaluationError
 from estimax.estimator import UntrainedWarning
 from estimax.lock import LOCK_FILE, Lock, ModelDirLocked, ModelDirNotWritable, holder_record, process_start
 
@@ -279,10 +280,16 @@ def test_mistakes_are_found_before_the_first_step(model_dir):
 
 def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
     features, labels = blobs(64)
-    plain = [({"x": features["x"][i : i + 32]}, labels[i : i + 32]) for i in (0, 32)]  # cannot be read ahead
+    plain = [({"x": features["x"][i : i + 32]}, labels[i : i + 32]) for i in (0, 32)]
+
+    class Breaks:  # its second batch raises: a mistake only the evaluation itself meets
+        def __iter__(self):
+            yield plain[0]
+            raise OSError("the evaluation files went away")
+
     est = estimator(model_dir, save_every_steps=4)
-    with pytest.raises(ValueError, match=r"Best\(metric='acc'\) is not among the evaluation's metrics"):
-        est.train_and_evaluate(iter(plain * 8), plain, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
+    with pytest.raises(EvaluationError, match=r"raised OSError: the evaluation files went away reading batch 2"):
+        est.train_and_evaluate(iter(plain * 8), Breaks(), max_steps=8, eval_every_steps=4)
     assert _steps(model_dir) == [4] and estimator(model_dir).step == 4
     # The end of training is saved also when its last loop was evaluated at the boundary.
     estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=8)

@@ -137,6 +137,7 @@ def test_a_group_resumes_in_another_shape_like_a_run_that_never_stopped(tmp_path
         (record,) = [r for r in map(json.loads, f) if r["split"] == "resize"]
     assert record["step"] == 12 and (record["processes_before"], record["processes"]) == (2, 1)
     assert (record["devices_before"], record["devices"]) == (8, 8) and record["seconds_since_checkpoint"] >= 0
+    assert record["steps_redone"] == 0  # the run before stopped at its checkpoint
 
     # A stream: each process's own position is saved; another number of processes is refused, nothing trained.
     stream = str(tmp_path / "stream")

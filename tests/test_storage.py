@@ -4,6 +4,8 @@ stores that cannot hold checkpoints refused before anything is written, and path
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import fsspec
@@ -17,7 +19,8 @@ import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
 from estimax.errors import StorageError
-from estimax.lock import LeaseLock, holder_record
+from estimax.lease import LeaseLock
+from estimax.lock import holder_record
 
 DATA = blobs(256)
 
@@ -49,9 +52,9 @@ def test_paths_expand_home_and_variables_and_keep_urls(monkeypatch, tmp_path):
     assert not os.path.exists("~")
 
 
-@pytest.mark.parametrize("url", ["s3://runs/digits", "memory://runs/digits"])
-def test_a_store_that_cannot_hold_checkpoints_is_refused_before_anything_is_written(url, tmp_path, monkeypatch):
+def test_a_store_that_cannot_hold_checkpoints_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    url = "memory://runs/digits"
     with pytest.raises(StorageError, match=f"model_dir {url}: .*Fix: use"):
         estimator(url)
     assert os.listdir(tmp_path) == []  # no local folder named after the URL
@@ -176,12 +179,11 @@ def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
     assert est.step == 0
 
 
-def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path):
+def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path, uninterrupted_two_processes):
     """2 processes x 4 devices write one gs:// model_dir; one is killed with SIGKILL after a save; the
     restarted group ends with the parameters of an uninterrupted run, bit for bit."""
     from test_distributed import STEPS, _finish, _launcher, _max_difference, _result
 
-    _finish(_launcher(str(tmp_path / "reference"), str(tmp_path / "reference-out"), "train", str(STEPS)))
     url, out_dir = "gs://bkt/multihost", tmp_path / "out"
     launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
     deadline = time.monotonic() + 120
@@ -193,7 +195,7 @@ def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path)
     os.kill(int((out_dir / "pid-1").read_text()), signal.SIGKILL)
     out = _finish(launcher, timeout=240)
     assert "restarting the group from its latest checkpoint" in out and "Restored checkpoint step" in out
-    resumed, uninterrupted = _result(out_dir), _result(tmp_path / "reference-out")
+    resumed, uninterrupted = _result(out_dir), uninterrupted_two_processes
     assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
     assert _max_difference(resumed["params"], uninterrupted["params"]) == 0.0
     assert resumed["eval"] == uninterrupted["eval"]
@@ -210,6 +212,57 @@ def test_tfrecord_data_in_a_bucket_trains_like_the_same_arrays(gcs):
     assert from_bucket.step == on_disk.step == 8
     results = from_bucket.evaluate(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"))
     assert results["num_examples"] == 256
+
+
+# A TensorFlow that etils finds importable; any use of it is written to $TENSORFLOW_USES and fails.
+FAKE_TENSORFLOW = """
+import os
+
+def __getattr__(name):
+    with open(os.environ["TENSORFLOW_USES"], "a") as f:
+        f.write(name + "\\n")
+    raise AttributeError(f"fake tensorflow: {name}")
+"""
+# What estimax sets or derives; the child starts without them, as a user's shell would.
+DERIVED = ("EPATH_USE_TF", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+# ArrayRecord files in the bucket, trained from with a checkpoint there, which a new Estimator restores.
+WITH_TENSORFLOW = """
+import numpy as np
+from models import blobs, estimator
+import estimax as ex
+
+features, labels = blobs(64)
+examples = [{"x": features["x"][i], "y": int(labels[i])} for i in range(64)]
+ex.data.array_record.write("gs://bkt/tf-present/data.array_record", examples)
+spec = {"x": ex.data.array_record.Feature(np.float32, (6,)), "y": ex.data.array_record.Feature(np.int64)}
+data = lambda: ex.data.array_record("gs://bkt/tf-present/data.array_record", spec, label="y")
+estimator("gs://bkt/tf-present/run", quiet=True).train(data(), max_steps=8)
+print("restored step", estimator("gs://bkt/tf-present/run").step, flush=True)
+"""
+
+
+def test_gs_goes_through_one_client_with_tensorflow_importable(gcs, tmp_path):
+    """With TensorFlow importable, etils.epath (Orbax's paths) would choose tf.io.gfile for gs://; estimax keeps
+    it on gcsfs, and STORAGE_EMULATOR_HOST alone points TensorStore and ArrayRecord's reader at the emulator."""
+    fake = tmp_path / "fake" / "tensorflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_TENSORFLOW)
+    uses = tmp_path / "tensorflow-uses"
+    env = {k: v for k, v in os.environ.items() if k not in (*DERIVED, "XLA_FLAGS")}  # one device is enough
+    env.update(
+        STORAGE_EMULATOR_HOST=gcs.url,
+        TENSORFLOW_USES=str(uses),
+        PYTHONPATH=os.pathsep.join([str(fake.parent), os.path.dirname(__file__), env.get("PYTHONPATH", "")]),
+    )
+    run = subprocess.run([sys.executable, "-c", WITH_TENSORFLOW], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "restored step 8" in run.stdout, run.stdout + run.stderr
+    assert not uses.exists(), uses.read_text()  # TensorFlow was never asked for anything
+    assert "checkpoints/8/" in " ".join(bucket_names("gs://bkt/tf-present/run"))
+
+    # The same fake is reached when a user asks etils for TensorFlow: the check above can fail.
+    asked = "from etils import epath; epath.Path('gs://bkt/tf-present').exists()"
+    subprocess.run([sys.executable, "-c", asked], env={**env, "EPATH_USE_TF": "true"}, capture_output=True)
+    assert uses.read_text().split() == ["io"]
 
 
 def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, tmp_path):

@@ -64,9 +64,11 @@ def test_a_user_task_is_trained_evaluated_and_predicted_by_module_path_and_file(
         assert run.data.params["params.hidden"] == "8" and run.data.params["train_batch_size"] == "32"
         last_train = [r for r in logged if r["split"] == "train"][-1]
         assert run.data.metrics["train/loss"] == pytest.approx(last_train["loss"])
-    # Without the override the model is the default (hidden=16): the checkpoint does not fit it.
-    mismatch = _estimax("evaluate", "my_project.task", "--model-dir", "run", cwd=project, check=False)
-    assert mismatch.returncode != 0
+    # The run remembers its --set values: another one is refused in one line (the checkpoint would not fit).
+    mismatch = _estimax(
+        "evaluate", "my_project.task", "--model-dir", "run", "--set", "hidden=16", cwd=project, check=False
+    )
+    assert mismatch.returncode == 2 and "was trained with --set hidden=8 --set learning_rate=0.1" in mismatch.stderr
 
 
 def test_launch_runs_a_user_task_as_two_processes(project):

@@ -1,18 +1,21 @@
-"""Writers: event files TensorBoard reads, records off the training thread, and a full disk or a failing
-writer that ends training with one line instead of hanging it."""
+"""Writers: event files TensorBoard reads, records off the training thread, records that read as one
+history after a kill and a resume, and a full disk or a failing writer that ends training with one line
+instead of hanging it."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
+import fsspec
 import numpy as np
 import pytest
 from models import blobs, estimator
 
 import estimax as ex
-from estimax import events
+from estimax import events, storage
 from estimax.errors import WriterError
 from estimax.writer_thread import InBackground
 from estimax.writers import JsonlWriter, TensorBoardWriter
@@ -65,6 +68,8 @@ def test_encoded_events_equal_the_protobuf_messages():
         ("loss", 0.5),
         ("a/very/long/" + "x" * 200, -1.25),
     ]
+    start = event_pb2.Event.FromString(events.session_start(2**33 + 1, 99.0)[12:-4])
+    assert (start.step, start.wall_time, start.session_log.status) == (2**33 + 1, 99.0, event_pb2.SessionLog.START)
 
 
 def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
@@ -75,6 +80,118 @@ def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
         writer.close()
     with open(path) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+# Trains past its checkpoint of step 8, evaluating every 4 steps, and stands still at step 14 until
+# killed; every record reaches its file at once (the flush intervals are the test's short deadlines).
+PAST_CHECKPOINT = """
+import sys, threading
+from models import blobs, estimator
+import estimax as ex
+from estimax.writers import JsonlWriter, TensorBoardWriter
+
+JsonlWriter.STORE_FLUSH_SECONDS = TensorBoardWriter.FLUSH_SECONDS = TensorBoardWriter.STORE_FLUSH_SECONDS = 0
+
+class StandStillAt14(ex.Hook):
+    def after_loop(self, loop):
+        if loop.step_after == 14:
+            est.run_dir.checkpoints.wait()  # step 8 committed: the resume starts there
+            print("past the checkpoint", flush=True)
+            threading.Event().wait()
+
+est = estimator(sys.argv[1], steps_per_loop=2, log_every_steps=2, save_every_steps=8, tensorboard=True)
+data = ex.data.from_arrays(*blobs(256))
+est.train_and_evaluate(data, data, max_steps=100, eval_every_steps=4, hooks=[StandStillAt14()])
+"""
+
+
+def _records(model_dir):
+    with fsspec.open(storage.join(model_dir, "metrics.jsonl")) as f:  # a plain line reader, as a user's
+        return [json.loads(line) for line in f]
+
+
+def _event_steps(model_dir):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    logdir = storage.join(model_dir, "tensorboard", "train")
+    return [e.step for name in storage.listdir(logdir) for e in EventFileLoader(storage.join(logdir, name)).Load()]
+
+
+def _written(model_dir, step):
+    """Whether metrics.jsonl and TensorBoard hold ``step`` (a line still being written is not parsed)."""
+    metrics = storage.join(model_dir, "metrics.jsonl")
+    in_metrics = storage.exists(metrics) and f'"step": {step},'.encode() in storage.read_bytes(metrics)
+    return in_metrics and step in _event_steps(model_dir)
+
+
+def _scalars(logdir, tag):
+    """``(step, value)`` of ``tag`` as TensorBoard's two readers give them (the plugin one: what its server
+    shows; it takes the first start event of a run as its start, later ones as restarts)."""
+    from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    legacy = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0})
+    plugin = plugin_event_accumulator.EventAccumulator(logdir, size_guidance={"tensors": 0})
+    legacy.Reload(), plugin.Reload()
+    from_plugin = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in plugin.Tensors(tag)]
+    return [(e.step, e.value) for e in legacy.Scalars(tag)], from_plugin
+
+
+@pytest.mark.parametrize("store", ["disk", "gs"])
+def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_path, request):
+    """SIGKILL once metrics.jsonl and TensorBoard hold steps 10-14 (an evaluation at 12), past the checkpoint
+    of step 8; the resumed run (training only) reads as one history, each step once and in order, steps 1-14
+    with the values the killed run (uninterrupted until then) wrote, and no evaluation past step 8."""
+    model_dir = str(tmp_path / "run")
+    if store == "gs":
+        request.getfixturevalue("gcs")
+        model_dir = f"gs://bkt/history-{tmp_path.name}"
+    logdir = storage.join(model_dir, "tensorboard", "train")
+    process = _start([sys.executable, "-c", PAST_CHECKPOINT, model_dir], ready="past the checkpoint")
+    while not _written(model_dir, 14):  # the writers' threads reach their files
+        assert process.poll() is None
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed = [r for r in _records(model_dir) if r["split"] == "train"]
+    assert [r["step"] for r in killed] == list(range(2, 15, 2))
+    assert [r["step"] for r in _records(model_dir) if r["split"] == "eval"] == [4, 8, 12]
+    killed_events, _ = _scalars(logdir, "loss")
+    assert [step for step, _ in killed_events] == list(range(1, 15))
+
+    resumed = estimator(model_dir, steps_per_loop=2, log_every_steps=2, save_every_steps=8, tensorboard=True)
+    assert resumed.step == 8
+    resumed.train(ex.data.from_arrays(*blobs(256)), max_steps=20)
+
+    records = _records(model_dir)
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train] == list(range(2, 21, 2))
+    assert [r["loss"] for r in train[:7]] == [r["loss"] for r in killed]
+    assert [(r["split"], r["step"]) for r in records if r["split"] != "train"] == [
+        ("eval", 4),
+        ("eval", 8),
+        ("summary", 20),
+    ]
+    evaluations = [
+        [step for step, _ in steps] for steps in _scalars(storage.join(model_dir, "tensorboard", "eval"), "loss")
+    ]
+    assert evaluations == [[4, 8], [4, 8]]  # the run that resumed wrote no evaluation: its start event dropped 12
+    legacy, plugin = _scalars(logdir, "loss")
+    assert [step for step, _ in legacy] == [step for step, _ in plugin] == list(range(1, 21))
+    assert legacy[:14] == killed_events and plugin[:14] == killed_events
+    assert _event_steps(model_dir).count(13) == 2  # the killed run's events stay; the readers drop them
+
+
+def test_a_run_continuing_from_a_step_drops_the_records_past_it_and_a_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [
+        json.dumps({"split": split, "step": step}) + "\n" for split, step in [("train", 2), ("eval", 2), ("train", 4)]
+    ]
+    path.write_text("".join(lines) + "not a record\n" + '{"split": "train", "st')
+    writer = JsonlWriter(str(path), continuing_from=2)
+    writer.write("train", 3, {"loss": 0.5})
+    assert path.read_text() == "".join(lines[:2]) + "not a record\n" + '{"split": "train", "step": 3, "loss": 0.5}\n'
 
 
 class Broken:

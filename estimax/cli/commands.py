@@ -2,8 +2,10 @@
 
 Owns joining the process group, loading the task, building its ``RunConfig``
 from the flags (``flags.RUN_FLAGS``), the task's ``DEFAULTS`` and RunConfig's
-own defaults, and running the command. Owns no argument parsing (``entry.py``)
-and no convention (``task.py``). Imported only after the arguments are known
+own defaults, building the Estimator in the run directory ``runs.py`` chooses
+(the model's digest tells it whether a checkpoint can fit), and running the
+command. Owns no argument parsing (``entry.py``), no convention (``task.py``)
+and no choice of run (``runs.py``). Imported only after the arguments are known
 to be well-formed: importing it imports JAX.
 """
 
@@ -12,18 +14,26 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import json
+import logging
 import os
 import time
 
 import jax
 
 from estimax import compile_cache, distributed, storage
+from estimax.cli import predict_file, runs
 from estimax.cli import task as task_lib
 from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import ConfigError, ModelFnError
+from estimax.state import leaf_names
+from estimax.warm_start import WarmStart
+
+logger = logging.getLogger("estimax")
 
 COMMAND_DEFAULTS = ("max_steps", "eval_every", "model_dir")  # DEFAULTS that are no RunConfig field
 
@@ -33,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     # Before anything touches devices: the mesh then spans every process's devices.
     distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     compile_cache.enable(compile_cache.default_directory())  # a second command does not compile again
-    task = task_lib.load(args.task, dict(args.set))
+    given = dict(args.set)  # and --data-dir: what this command line says of the params
+    task = task_lib.load(args.task, given)
     if args.data_dir is not None:
         if "data_dir" not in task.params:  # never silently ignored: case 8 of issue 13 trained digits
             raise ValueError(
@@ -41,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
                 f"data_dir); expected a task that does, e.g. `estimax {args.command} --data mnist --data-dir "
                 f"{args.data_dir}`."
             )
-        task = dataclasses.replace(task, params={**task.params, "data_dir": args.data_dir})
+        given["data_dir"] = args.data_dir
     defaults = task.defaults
     known = {name for run_flag in RUN_FLAGS for name in run_flag.names} | set(COMMAND_DEFAULTS)
     if set(defaults) - known:
@@ -49,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             f"Task {task.name!r}: DEFAULTS has {sorted(set(defaults) - known)}; expected run settings "
             f"named like their flags: {', '.join(sorted(known))}."
         )
-    settings = {"model_dir": args.model_dir or defaults.get("model_dir") or os.path.join("runs", task.name)}
+    settings = {}
     for run_flag in RUN_FLAGS:
         value = getattr(args, run_flag.field, None)
         if value is None:
@@ -58,12 +69,32 @@ def run(args: argparse.Namespace) -> int:
             settings[run_flag.field] = value
     if args.fsdp is not None:
         settings["mesh"] = with_fsdp(settings.get("mesh"), args.fsdp)
-    config = RunConfig(**settings)
-    with _naming_set(args.set, "the model cannot be built"):
-        estimator = task.estimator(config)
     first = jax.process_index() == 0  # process 0 speaks for the group
+    root = storage.resolve(args.model_dir or defaults.get("model_dir") or os.path.join("runs", task.name))
+    typed = functools.partial(task_lib.override, task.module.params)  # --set values (text) -> the params
+    choice = runs.RunChoice(root, args.model_dir is not None, args.command == "train", typed, given)
+    task, config = task.with_sets(choice.sets), RunConfig(**settings)
+    estimator = _estimator(args, task, config, choice.model_dir)
+    trained, digest = estimator.run_dir.checkpoints.latest_step() is not None, state_digest(estimator)
+    if choice.rechoose(digest, trained):  # a changed model: a new run
+        estimator = _estimator(args, task, config, choice.model_dir)
+    if args.command == "train" and first:
+        runs.write(choice.model_dir, runs.Remembered(choice.sets, runs.as_json(task.params), digest))
     with _naming_set(args.set, "the model_fn fails", only=ModelFnError):
         return COMMANDS[args.command](args, task, estimator, first)
+
+
+def _estimator(args, task: task_lib.Task, config: RunConfig, model_dir: str):
+    warm_start = WarmStart(args.warm_start) if getattr(args, "warm_start", None) else None
+    with _naming_set(args.set, "the model cannot be built"):
+        return task.estimator(dataclasses.replace(config, model_dir=model_dir), warm_start=warm_start)
+
+
+def state_digest(estimator) -> str:
+    """The names and shapes of the arrays of the estimator's state (what a checkpoint must fit), as a digest."""
+    shapes = estimator.state_shapes()
+    rows = [f"{name} {leaf.shape}" for name, leaf in zip(leaf_names(shapes), jax.tree.leaves(shapes), strict=True)]
+    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -83,21 +114,19 @@ def _naming_set(assignments, what: str, only: type[BaseException] = Exception):
 
 
 def train(args, task, estimator, first: bool) -> int:
-    max_steps = args.max_steps if args.max_steps is not None else task.defaults.get("max_steps")
-    if max_steps is None:
-        raise ValueError(f"Task {task.name!r} sets no DEFAULTS['max_steps']; expected --max-steps N.")
+    length = {"epochs": args.epochs} if args.epochs is not None else {"max_steps": _max_steps(args, task)}
     eval_every = args.eval_every or task.defaults.get("eval_every")
     profile = estimator.config.profile_steps
-    if profile is not None and profile[0] >= max_steps:
-        raise ValueError(f"--profile-steps {profile[0]}:{profile[1]} starts at or after max_steps {max_steps}.")
+    if profile is not None and "max_steps" in length and profile[0] >= length["max_steps"]:
+        raise ValueError(
+            f"--profile-steps {profile[0]}:{profile[1]} starts at or after max_steps {length['max_steps']}."
+        )
     train_input, eval_input = task.input("train"), task.input("eval")
     start = time.perf_counter()
     if eval_every:
-        results = estimator.train_and_evaluate(
-            train_input, eval_input, max_steps=max_steps, eval_every_steps=eval_every
-        )
+        results = estimator.train_and_evaluate(train_input, eval_input, eval_every_steps=eval_every, **length)
     else:
-        results = estimator.train(train_input, max_steps=max_steps).evaluate(eval_input)
+        results = estimator.train(train_input, **length).evaluate(eval_input)
     name = next((n for n in ("accuracy", "bits_per_byte") if n in results), "loss")
     if first:
         print(
@@ -105,6 +134,13 @@ def train(args, task, estimator, first: bool) -> int:
             f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
         )
     return 0
+
+
+def _max_steps(args, task) -> int:
+    max_steps = args.max_steps if args.max_steps is not None else task.defaults.get("max_steps")
+    if max_steps is None:
+        raise ValueError(f"Task {task.name!r} sets no DEFAULTS['max_steps']; expected --max-steps N or --epochs N.")
+    return max_steps
 
 
 def _require_checkpoint(estimator) -> None:
@@ -127,6 +163,8 @@ def evaluate(args, task, estimator, first: bool) -> int:
 def predict(args, task, estimator, first: bool) -> int:
     _require_checkpoint(estimator)
     predict_input = task.input("predict")
+    if args.input:
+        predict_input = predict_file.read(args.input, _first_features(predict_input))
     # Every process takes part; process 0 receives every example, in input order.
     records = [task.prediction_record(row) for row in estimator.predict(predict_input, gather=True)]
     if not first:
@@ -147,12 +185,17 @@ def export(args, task, estimator, first: bool) -> int:
     checkpoint = int(args.checkpoint) if (args.checkpoint or "").isdigit() else args.checkpoint
     if checkpoint is None:
         _require_checkpoint(estimator)
-    # The shapes of the task's predict input, from its first example.
-    features, _ = next(iter(feed.eval_batches(task.input("predict"), 1, process_index=0, process_count=1)))
+    features = _first_features(task.input("predict"))  # the shapes of the artifact's input
     path = estimator.export(args.output, checkpoint=checkpoint, example_features=features)
     if first:
         print(path)
     return 0
+
+
+def _first_features(predict_input):
+    """The features of the first example of ``predict_input`` (a batch of one)."""
+    features, _ = next(iter(feed.eval_batches(predict_input, 1, process_index=0, process_count=1)))
+    return features
 
 
 def _as_dict(record) -> dict:

@@ -105,6 +105,8 @@ class _Group:
         # manager's variables stay out of their environment, and each gets its share of the GPUs.
         inherited = clusters.without_manager(os.environ)
         gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        if devices_per_process is None and clusters.idle_gpus(gpus, num_processes):
+            printer.line("launch", f"warning: {num_processes} processes {clusters.idle_gpus(gpus, num_processes)}")
         for i in range(num_processes):
             env = dict(inherited)
             share = clusters.local_gpus(i, num_processes, len(gpus)) if len(gpus) >= num_processes else None

@@ -83,8 +83,13 @@ class Task:
             )
         return optimizer(dict(self.params))
 
-    def estimator(self, config):
-        """The ``Estimator`` of this task under ``config`` (a ``RunConfig``)."""
+    def with_sets(self, sets: Mapping[str, str]) -> Task:
+        """This task with the module's params overridden by ``sets`` (``--set`` values as text)."""
+        return dataclasses.replace(self, params=override(self.module.params, sets))
+
+    def estimator(self, config, warm_start=None):
+        """The ``Estimator`` of this task under ``config`` (a ``RunConfig``), warm-started from
+        ``warm_start`` (a ``WarmStart``) when its model_dir has no checkpoint yet."""
         from estimax.estimator import Estimator
 
         config = with_task_rules(config, getattr(self.module, "SHARDING_RULES", None))
@@ -96,6 +101,7 @@ class Task:
             optimizer=self.optimizer(),
             config=config,
             params=dict(self.params),
+            warm_start=warm_start,
         )
 
     def prediction_record(self, row) -> dict:
@@ -127,6 +133,80 @@ def load(spec: str, overrides: Mapping[str, str] = {}) -> Task:
         raise TypeError(f"Task {spec!r}: params is a {type(module.params).__name__}; expected a dict of defaults.")
     name = os.path.splitext(os.path.basename(spec))[0] if _is_file(spec) else spec.rsplit(".", 1)[-1]
     return Task(name, module, override(module.params, overrides))
+
+
+def check_sets(spec: str, sets: list[tuple[str, str]]) -> None:
+    """Raises what ``load`` would about a ``--set`` name or value, reading the task's source
+    instead of importing it (no JAX): names are checked when its ``params`` dict is written out
+    at the module's top level, values when their default is a literal there."""
+    declared = _declared_params(spec)
+    if declared is not None:
+        override(declared, {name: text for name, text in sets if declared.get(name) is not _UNREAD})
+
+
+_UNREAD = object()  # a default that _declared_params found but could not read (not a literal)
+
+
+def _declared_params(spec: str) -> dict | None:
+    """The ``params`` of the task ``spec`` as its source declares them: the last top-level
+    ``params = {...}`` (or ``dict(...)``) with names written out; a default that is not a literal
+    reads as ``_UNREAD``. ``None`` when there is no such source or assignment."""
+    path = _source_file(spec)
+    try:
+        with open(path, "rb") as source:
+            tree = ast.parse(source.read(), path)
+    except (OSError, SyntaxError, ValueError, TypeError):  # no file here: the import reports it
+        return None
+    declared = None
+    for node in tree.body:
+        target = node.targets[-1] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(target, ast.Name) and target.id == "params":
+            declared = _literal_dict(node.value) if node.value is not None else None
+        elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and _changes_params(node):
+            return None  # params[...] = ..., params.update(...): known only once the module has run
+    return declared
+
+
+def _changes_params(node: ast.stmt) -> bool:
+    """Whether a top-level statement may change ``params`` other than by assigning it whole."""
+    for part in ast.walk(node):
+        if isinstance(part, ast.Subscript | ast.Attribute) and getattr(part.value, "id", None) == "params":
+            if isinstance(part, ast.Attribute) or isinstance(part.ctx, ast.Store | ast.Del):
+                return True
+        if isinstance(part, ast.AugAssign) and getattr(part.target, "id", None) == "params":
+            return True
+    return False
+
+
+def _literal_dict(node: ast.expr) -> dict | None:
+    if isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) and isinstance(k.value, str) for k in node.keys):
+        pairs = zip((k.value for k in node.keys), node.values, strict=True)
+    elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict" and not node.args:
+        if any(k.arg is None for k in node.keywords):  # dict(**other): names not written out
+            return None
+        pairs = ((k.arg, k.value) for k in node.keywords)
+    else:
+        return None
+    declared = {}
+    for name, value in pairs:
+        try:
+            declared[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError, TypeError):
+            declared[name] = _UNREAD
+    return declared
+
+
+def _source_file(spec: str) -> str | None:
+    """The file of ``spec`` found as the import would find it, without importing its packages."""
+    if _is_file(spec):
+        return os.path.abspath(spec)
+    parts = spec.split(".")
+    for entry in [*sys.path, os.getcwd()]:
+        base = os.path.join(entry or os.getcwd(), *parts)
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                return path
+    return None
 
 
 def override(params: Mapping, overrides: Mapping[str, str]) -> dict:

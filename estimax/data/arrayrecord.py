@@ -1,13 +1,14 @@
 """ArrayRecord files of ``tf.train.Example``: the format Grain, TFDS and MaxText read.
 
 Owns opening ArrayRecord files with the format's own reader (local files and
-``gs://``; files on other fsspec stores are copied to a local directory
-first, since the reader opens nothing else), counting and reading their
-records by position, a writer, and the ``array_record`` source: a Grain
-``MapDataset`` over every record of the files, parsed by the same ``Feature``
-spec as TFRecord files (``tfrecord.Parser``). Errors name the file and the
-record. Does not own the ``tf.train.Example`` message nor the epochs,
-shuffling and per-process shards (``tfrecord``, ``grain.MapSource``).
+``gs://``, at the GCS emulator ``STORAGE_EMULATOR_HOST`` names, if any; files
+on other fsspec stores are copied to a local directory first, since the reader
+opens nothing else), counting and reading their records by position, a
+writer, and the ``array_record`` source: a Grain ``MapDataset`` over every
+record of the files, parsed by the same ``Feature`` spec as TFRecord files
+(``tfrecord.Parser``). Errors name the file and the record. Does not own the
+``tf.train.Example`` message nor the epochs, shuffling and per-process shards
+(``tfrecord``, ``grain.MapSource``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
@@ -54,6 +56,8 @@ def _status(reader) -> str:
 
 def open_reader(name: str, path: str):
     """A reader of the ArrayRecord file ``path`` (shown as ``name``); an unreadable file is an error."""
+    if storage.scheme(path) == "gs":
+        storage.use_one_client()  # the reader's own GCS client reads its own emulator variable
     reader = _module().ArrayRecordReader(path, READ_OPTIONS)
     if not reader.ok():
         access = " that Google credentials on this machine may read" if storage.scheme(path) == "gs" else ""
@@ -156,12 +160,20 @@ def write(path: str | os.PathLike, examples: Iterable[Mapping[str, Any]], *, opt
     Values are encoded as ``tfrecord.serialize`` says (floats, integers,
     ``bytes``). ``options`` are the writer's (``group_size:1`` by default,
     which random access wants; e.g. ``"group_size:1,zstd:9"``). A local path
-    is written in place; a URL (``gs://``, ``s3://``, ...) through a local
-    file copied there at the end.
+    is written under a temporary name beside it, renamed once every example
+    is written; a URL (``gs://``, ``s3://``, ...) through a local file copied
+    there at the end. Either way, an error part way (a value that cannot be
+    encoded, an ``examples`` iterator that raises) leaves nothing at ``path``.
     """
     target = storage.expand(path)
     if not storage.is_url(target):
-        _write_local(target, target, examples, options)
+        partial = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{uuid.uuid4().hex}.partial")
+        try:
+            _write_local(partial, target, examples, options)
+            os.replace(partial, target)
+        finally:
+            if os.path.exists(partial):
+                os.remove(partial)
         return
     fs, remote = storage.filesystem(target)
     with tempfile.TemporaryDirectory(prefix="estimax-arrayrecord-") as scratch:

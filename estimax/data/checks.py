@@ -14,6 +14,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from estimax.errors import InputError
+
 
 class BatchChecker:
     """Checks that every batch matches the first: same features, shapes and numeric dtypes.
@@ -80,8 +82,15 @@ _FOREIGN = {
 
 
 def check_source(source) -> None:
-    """A ``TypeError`` for a dataset of another library passed as it is, with the conversion."""
+    """A ``TypeError`` for a dataset of another library passed as it is, with the conversion; an
+    ``InputError`` for a Grain ``MapDataset`` of single examples passed without ``from_grain``."""
     module = type(source).__module__.split(".")[0]
+    if module == "grain" and _is_map_dataset_of_examples(source):
+        raise InputError(
+            f"Input is a Grain {type(source).__name__} of single examples, which estimax would read as if each "
+            "were a batch; expected batches, or a dataset wrapped by ex.data.from_grain. Fix: "
+            "ex.data.from_grain(dataset): it batches, shuffles each epoch from the run's seed and resumes."
+        )
     if module in _FOREIGN:
         what, fix = _FOREIGN[module]
         raise TypeError(
@@ -89,6 +98,17 @@ def check_source(source) -> None:
             f"estimax.data.from_arrays(...), from_grain(...), a file source or an iterable of numpy "
             f"(features, labels) batches. Fix: {fix}."
         )
+
+
+def _is_map_dataset_of_examples(source) -> bool:
+    """Whether ``source`` is a ``grain.MapDataset`` whose first element is one example, not a batch:
+    it has a scalar, or arrays whose first dimensions differ."""
+    import grain
+
+    if not isinstance(source, grain.MapDataset) or len(source) == 0:
+        return False
+    leaves = [np.asarray(x) for x in jax.tree.leaves(source[0])]
+    return any(x.ndim == 0 for x in leaves) or len({x.shape[0] for x in leaves}) > 1
 
 
 def check_pair(item, what: str = "Input") -> None:
@@ -142,7 +162,10 @@ def describe(batch, check: bool = True) -> dict[str, tuple]:
                     "Fix: encode text or objects as numeric arrays before feeding them."
                 )
             if leaf.ndim == 0:
-                raise ValueError(f"Input {name} is a scalar; expected one row per example.")
+                raise ValueError(
+                    f"Input {name} is a scalar; expected one row per example. Fix: feed batches, e.g. "
+                    "ex.data.from_grain(dataset) for a Grain dataset of single examples."
+                )
             if check and rows is not None and leaf.shape[0] != rows:
                 raise ValueError(
                     f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "

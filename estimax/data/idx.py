@@ -18,6 +18,7 @@ import numpy as np
 
 from estimax.data import files as files_lib
 from estimax.data.arrays import ArrayDataset, from_arrays
+from estimax.errors import InputError
 
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049  # unsigned bytes, 3 and 1 dimensions
 
@@ -68,15 +69,29 @@ def find(data_dir: str | os.PathLike, split: str, kind: str) -> str:
     )
 
 
-def mnist(data_dir: str | os.PathLike, split: str = "train") -> ArrayDataset:
+def mnist(
+    data_dir: str | os.PathLike, split: str = "train", image_shape: tuple[int, int] | None = None
+) -> ArrayDataset:
     """MNIST from its idx files: ``{"image": float32 (n, 28, 28) in [0, 1]}`` and int32 labels.
 
     ``split`` is the file prefix: ``"train"`` or ``"t10k"``. Any fsspec path works.
+    ``image_shape``: the ``(height, width)`` the model is built for; files of
+    other images are an ``InputError`` naming both (default: any size).
     """
     images_path, labels_path = find(data_dir, split, "images"), find(data_dir, split, "labels")
     images, labels = read_idx(images_path, IMAGES_MAGIC), read_idx(labels_path, LABELS_MAGIC)
+    if image_shape is not None and images.shape[1:] != tuple(image_shape):
+        raise InputError(
+            f"{images_path}: images of {_size(images.shape[1:])}; expected {_size(image_shape)}, the size the model "
+            f"is built for (image_shape={tuple(image_shape)}). Fix: use MNIST files of {_size(image_shape)} images, "
+            f"or build the model for {_size(images.shape[1:])}."
+        )
     if len(images) != len(labels):
         raise ValueError(
             f"{labels_path}: {len(labels)} labels; expected {len(images)}, one per image of {images_path}."
         )
     return from_arrays({"image": images.astype(np.float32) / 255.0}, labels.astype(np.int32))
+
+
+def _size(shape) -> str:
+    return "x".join(map(str, shape))

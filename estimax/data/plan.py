@@ -142,6 +142,7 @@ class Plan:
             return value, per_epoch
         if name == "steps":
             return start + value, per_epoch
+        assert per_epoch is not None  # required for epochs: steps_per_epoch raised otherwise
         global_batch = self.global_batch(TRAIN)
         logger.info(
             "An epoch is %d steps of %d examples; %d examples per epoch are dropped (drop_remainder).",

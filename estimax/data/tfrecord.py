@@ -22,6 +22,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from estimax.data import files as files_lib
 from estimax.data.grain import MapSource, file_source
+from estimax.errors import InputError
 from estimax.records import frame, masked_crc
 
 
@@ -134,7 +135,7 @@ def serialize(features: Mapping[str, Any]) -> bytes:
     """One ``{name: values}`` example as a serialized ``tf.train.Example``.
 
     Floats go to ``float_list``, integers and booleans to ``int64_list``,
-    ``bytes`` to ``bytes_list``.
+    ``bytes`` to ``bytes_list``; anything else (text, objects, complex numbers) is an ``InputError``.
     """
     example = Example()
     for name, value in features.items():
@@ -143,6 +144,13 @@ def serialize(features: Mapping[str, Any]) -> bytes:
             feature.bytes_list.value.append(value)
             continue
         value = np.asarray(value).ravel()
+        if value.dtype.kind not in "biuf":
+            encode = f"{{{name!r}: text.encode()}} for one string, " if value.dtype.kind in "US" else ""
+            raise InputError(
+                f"Feature {name!r} has dtype {value.dtype}; a tf.train.Example feature holds floats (float_list), "
+                f"integers or booleans (int64_list), or one bytes value (bytes_list). Fix: encode it, e.g. "
+                f"{encode}or numeric ids."
+            )
         if value.dtype.kind == "f":
             feature.float_list.value.extend(value.tolist())
         else:

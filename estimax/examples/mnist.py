@@ -51,11 +51,11 @@ def estimator(config: ex.RunConfig) -> ex.Estimator:
 
 
 def train_input(params: dict) -> ex.data.ArrayDataset:
-    return ex.data.idx.mnist(_data_dir(params), "train")
+    return ex.data.idx.mnist(_data_dir(params), "train", image_shape=(IMAGE_SIZE, IMAGE_SIZE))
 
 
 def eval_input(params: dict) -> ex.data.ArrayDataset:
-    return ex.data.idx.mnist(_data_dir(params), "t10k")
+    return ex.data.idx.mnist(_data_dir(params), "t10k", image_shape=(IMAGE_SIZE, IMAGE_SIZE))
 
 
 def _data_dir(params: dict) -> str:

@@ -7,8 +7,10 @@ passed bare. Imports the adapters; none of them imports it.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+from estimax.errors import ConfigError
 from estimax.models.base import Adapter, WrappedModel
 from estimax.models.nnx_model import NNXAdapter
 
@@ -19,7 +21,8 @@ def resolve(model: Any, hparams: dict, seed: int) -> Adapter:
     A model wrapped by ``ex.models.*`` is built; an object with the four
     methods of ``Adapter`` is used as is; any other callable is an NNX
     factory ``(rngs, params) -> nnx.Module``. Models of other frameworks
-    passed bare raise a TypeError that names the wrapper to use.
+    passed bare raise a TypeError that names the wrapper to use; a module class passed instead of
+    its factory, a ``ConfigError`` that shows the factory.
     """
     if isinstance(model, WrappedModel):
         return model.build(hparams, seed)
@@ -30,6 +33,8 @@ def resolve(model: Any, hparams: dict, seed: int) -> Adapter:
 
 
 def _reject_bare(model: Any) -> None:
+    if isinstance(model, type):
+        _reject_class(model)
     kind = _framework_of(model)
     fixes = {
         "Flax Linen module": "model=ex.models.linen(module, example_input)",
@@ -41,6 +46,25 @@ def _reject_bare(model: Any) -> None:
             f"Estimator(model=...) received a {kind} ({type(model).__name__}); expected an NNX factory "
             f"`(rngs, params) -> nnx.Module` or a model wrapped by estimax.models. Fix: {fixes[kind]}."
         )
+
+
+def _reject_class(cls: type) -> None:
+    """A module class passed where its factory (for Linen, its wrapped instance) is expected. An NNX
+    class whose ``__init__`` is ``(rngs, params)`` is a factory itself, and accepted."""
+    from flax import linen, nnx
+
+    if issubclass(cls, nnx.Module) and list(inspect.signature(cls.__init__).parameters)[2:3] == ["params"]:
+        return
+    fixes = {
+        nnx.Module: f"model=lambda rngs, params: {cls.__name__}(rngs=rngs)",
+        linen.Module: f"model=ex.models.linen({cls.__name__}(), example_input)",
+    }
+    for base, fix in fixes.items():
+        if issubclass(cls, base):
+            raise ConfigError(
+                f"Estimator(model={cls.__name__}) received the class {cls.__name__}; expected an NNX factory "
+                f"`(rngs, params) -> nnx.Module` or a model wrapped by estimax.models. Fix: {fix}."
+            )
 
 
 def _framework_of(model: Any) -> str | None:

@@ -123,7 +123,9 @@ def array_sha256(x) -> str:
 
 
 def check_target(path: str) -> None:
-    """Raises unless ``path`` is new, empty, or an earlier export (which is replaced)."""
+    """Raises unless ``path`` is new, empty, or an earlier export (which is replaced), and, on an object
+    store, writable (a missing bucket is a ``StorageError`` naming the URL before anything is traced)."""
+    storage.check_store(path, write=True)
     earlier = any(storage.exists(storage.join(path, name)) for name in (SIGNATURE, "saved_model.pb"))
     if storage.isdir(path) and storage.listdir(path) and not earlier:
         raise ValueError(

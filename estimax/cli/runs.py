@@ -1,0 +1,166 @@
+"""Which run directory a command uses, and what a run remembers of the command that trained it.
+
+Under the default root (``runs/<task>``, or the task's ``DEFAULTS["model_dir"]``)
+each model is a run of its own, numbered as it comes: ``runs/<task>``, then
+``runs/<task>-2``, ``runs/<task>-3``... ``train`` continues the latest run of
+the same model (the same params and the same state arrays) and otherwise
+starts the next number; ``evaluate``, ``predict`` and ``export`` take the
+latest run whose ``--set`` values agree with those given. An explicit
+``--model-dir`` is used as it is.
+
+Each run keeps, in ``cli.json`` beside its checkpoints, the ``--set`` values it
+was trained with (as typed), the params they gave, and a digest of the names
+and shapes of its state's arrays: later commands apply the same values, and
+refuse others, without being told. Owns the numbering and that file; does not
+own the rest of a run directory (``run_dir.py``) nor building the model
+(``commands.py``). Imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections.abc import Callable
+
+from estimax import storage
+from estimax.errors import ConfigError
+
+logger = logging.getLogger("estimax")
+
+RECORD = "cli.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Remembered:
+    """What ``estimax train`` wrote into a run: its ``--set`` values, the params, the state's digest."""
+
+    sets: dict[str, str]
+    params: dict
+    state: str
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True).encode()
+
+
+def as_json(params: dict) -> dict:
+    """``params`` as ``cli.json`` holds them (tuples as lists, other objects by ``repr``), to compare."""
+    return json.loads(json.dumps(params, sort_keys=True, default=repr))
+
+
+def read(model_dir: str) -> Remembered | None:
+    """The run's ``cli.json``, or ``None`` (no run, or one trained without the command line)."""
+    path = storage.join(model_dir, RECORD)
+    if not storage.exists(path):
+        return None
+    record = json.loads(storage.read_bytes(path))
+    return Remembered(dict(record["sets"]), record["params"], record["state"])
+
+
+def write(model_dir: str, remembered: Remembered) -> None:
+    storage.write_bytes(storage.join(model_dir, RECORD), remembered.to_json())
+
+
+def runs(root: str) -> list[str]:
+    """The runs under ``root``, oldest first: ``root`` itself, then ``root-2``, ``root-3``..."""
+    parent, base = storage.parent(root), storage.name(root)
+    numbered = re.compile(rf"{re.escape(base)}-([2-9]|[1-9]\d+)")
+    found = {1: root} if storage.exists(root) else {}
+    for name in storage.listdir(parent) if storage.exists(parent) else ():
+        match = numbered.fullmatch(name)
+        if match:
+            found[int(match.group(1))] = storage.join(parent, name)
+    return [found[n] for n in sorted(found)]
+
+
+def next_run(root: str) -> str:
+    """The directory of a new run under ``root``: ``root`` when there is none yet, else the next number."""
+    existing = runs(root)
+    if not existing:
+        return root
+    last = storage.name(existing[-1])
+    number = int(last.rsplit("-", 1)[1]) if existing[-1] != root else 1
+    return f"{root}-{number + 1}"
+
+
+def latest(root: str, accepts: Callable[[Remembered | None], bool]) -> str | None:
+    """The latest run under ``root`` whose remembered values ``accepts`` takes."""
+    return next((run for run in reversed(runs(root)) if accepts(read(run))), None)
+
+
+def describe(sets: dict[str, str]) -> str:
+    """``--set a=1 --set b=2``, or ``no --set`` values."""
+    return " ".join(f"--set {name}={value}" for name, value in sorted(sets.items())) or "no --set values"
+
+
+class RunChoice:
+    """The run a command uses under ``root`` and the ``--set`` values that come with it.
+
+    ``typed(sets)`` gives the task's params with ``sets`` (text) applied; ``given`` are the
+    values of this command line. ``model_dir`` and ``sets`` (remembered, then given) are the choice.
+    """
+
+    def __init__(self, root: str, explicit: bool, training: bool, typed: Callable[[dict], dict], given: dict):
+        self.root, self.explicit, self.training, self.typed, self.given = root, explicit, training, typed, given
+        if explicit:
+            self.model_dir = root
+        elif training:
+            self.model_dir = latest(root, self._same_params) or next_run(root)
+        else:
+            self.model_dir = latest(root, self._agrees) or self._no_agreeing_run()
+        self.record = read(self.model_dir)
+        if explicit and self.record is not None and not self._agrees(self.record):
+            changed = {n: v for n, v in given.items() if self.record.sets.get(n) != v}
+            raise ConfigError(
+                f"{describe(changed)}: {self.model_dir} was trained with {describe(self.record.sets)} (remembered "
+                f"in its {RECORD}); expected the same values. Fix: leave the --set out, or {self._elsewhere()}"
+            )
+        self.sets = {**(self.record.sets if self.record else {}), **given}
+
+    def _agrees(self, record: Remembered | None) -> bool:
+        """The values given change nothing in ``record``'s params (a run without a record: its defaults)."""
+        sets = record.sets if record else {}
+        return self.typed({**sets, **self.given}) == self.typed(sets)
+
+    def _same_params(self, record: Remembered | None) -> bool:
+        return record is None or record.params == as_json(self.typed(self.given))
+
+    def _no_agreeing_run(self) -> str:
+        existing = runs(self.root)
+        if not existing:
+            return self.root  # nothing trained: the command says so
+        listed = "; ".join(f"{run}: {describe(getattr(read(run), 'sets', {}))}" for run in existing)
+        raise ConfigError(
+            f"{describe(self.given)}: no run under {self.root} was trained with these values ({listed}); "
+            "expected the values of a trained run. Fix: leave the --set out (the latest run), or pass "
+            "--model-dir of the run to use."
+        )
+
+    def _elsewhere(self) -> str:
+        return (
+            "train a new run: another --model-dir, or no --model-dir (a new numbered run beside runs/<task>); "
+            f"--warm-start {self.model_dir} starts it from this run's weights."
+        )
+
+    def rechoose(self, state: str, trained: bool) -> bool:
+        """Whether the model built (its ``state`` digest) needs another run directory than the one
+        chosen: under the default root, ``train`` then moves to a new run (``model_dir``); elsewhere
+        a trained run of another model is refused. Says which run is used."""
+        if trained and self.record is not None and self.record.state != state:
+            if self.explicit or not self.training:
+                raise ConfigError(
+                    f"{self.model_dir} holds a run of another model or optimizer (the arrays of its state differ "
+                    "from this task's, e.g. after an edit of the model); expected the model that trained it. "
+                    f"Fix: restore that model, or {self._elsewhere()}"
+                )
+            previous, self.model_dir, self.record = self.model_dir, next_run(self.root), None
+            logger.info("The model changed since %s was trained: a new run in %s.", previous, self.model_dir)
+            return True
+        if not self.explicit:
+            if not self.training:
+                logger.info("Using %s, the latest run (%s).", self.model_dir, describe(self.sets))
+            else:
+                state = "continuing the run" if trained else "a new run"
+                logger.info("Run directory %s: %s (%s).", self.model_dir, state, describe(self.sets))
+        return False

@@ -1,0 +1,356 @@
+"""The writer lock of a model_dir on a bucket: a lease, fenced, every call to the store bounded.
+
+Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object
+store, and saying whether this process may still write. The lock is an object
+holding its holder's record (``lock.holder_record``) and the time of its last
+renewal. It is taken by a conditional create, or by replacing exactly the
+version of an expired lease; a background thread renews it by replacing
+exactly the version this process wrote last (``conditional.py``), so that a
+renewal never overwrites another process's lease.
+
+The timeline of a lease of ``L`` seconds: a renewal every ``L/4``; each call to
+the store waits at most ``L/4``; this process may write until ``3L/4`` after
+the start of its last renewal that succeeded, ``L/4`` before anyone else may
+take the lease over. A process paused past that point (SIGSTOP, a long GC, a
+frozen VM) writes nothing more until a renewal proves that nobody took the
+lease meanwhile; if somebody did, ``check()`` raises ``LeaseLostError`` naming
+it, and if the store does not answer (also to a second try when the renewal
+under way was cut off), ``StoreUnavailableError``. When the process is still
+running ``L/4`` after that verdict (blocked in a write to a store that does not
+answer), the lease ends it: one line and exit code 74.
+
+Taking and releasing the lock retry for ``deadline_seconds``, with a warning
+per retry. A lock object that holds no lease record is reported with what it
+holds and how to delete it. Does not own the lock on a disk (``lock.py``) nor
+what is written under it (``run_dir.py`` asks ``check()``/``writable()``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from estimax import storage
+from estimax.conditional import Changed, open_object
+from estimax.errors import (
+    STORE_FAILURE_EXIT_CODE,
+    ConfigError,
+    LeaseLostError,
+    ModelDirLockedError,
+    StorageError,
+    StoreUnavailableError,
+    one_line,
+)
+from estimax.lock import LOCK_FILE, describe, holder_record, is_stale
+
+logger = logging.getLogger("estimax")
+
+LEASE_SECONDS = "ESTIMAX_LEASE_SECONDS"
+"""The environment variable that sets the lease time (default 60 s)."""
+DEADLINE_SECONDS = "ESTIMAX_STORE_DEADLINE_SECONDS"
+"""The environment variable that sets how long taking and releasing the lock retry (default 120 s)."""
+
+# A store that does not answer (these are retried until the deadline); anything else is an answer.
+_UNANSWERED = {
+    "TimeoutError", "ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
+    "ClientPayloadError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "HttpError", "ProxyError",
+}  # fmt: skip
+
+
+def seconds_from_environment(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text!r}; expected a positive number of seconds. Fix: e.g. {name}={default:g}.")
+    return value
+
+
+class LeaseLock:
+    """The writer lock of a model_dir on an object store (see the module docstring).
+
+    ``lease_seconds`` and ``deadline_seconds`` default to ``ESTIMAX_LEASE_SECONDS`` (60) and
+    ``ESTIMAX_STORE_DEADLINE_SECONDS`` (120). ``committed_step``: the last step saved for good,
+    which the lines about a failure tell the user to resume from (the run directory sets it).
+    """
+
+    def __init__(self, model_dir: str, lease_seconds: float | None = None, deadline_seconds: float | None = None):
+        self.model_dir = storage.resolve(model_dir)
+        self.path = storage.join(self.model_dir, LOCK_FILE)
+        self.lease_seconds = lease_seconds or seconds_from_environment(LEASE_SECONDS, 60.0)
+        self.deadline_seconds = deadline_seconds or seconds_from_environment(DEADLINE_SECONDS, 120.0)
+        self.committed_step: Callable[[], int | None] = lambda: None
+        self.held = False
+        self._object = None
+        self._record: dict = {}
+        self._version: str | None = None
+        self._proven_until = 0.0  # monotonic: this process may write until then
+        self._lost: StorageError | ModelDirLockedError | None = None
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    @property
+    def _call_seconds(self) -> float:
+        return self.lease_seconds / 4
+
+    @property
+    def _writable_seconds(self) -> float:
+        """How long after a renewal's start this process may write: ``L/4`` before the lease could expire."""
+        return 0.75 * self.lease_seconds
+
+    # -- taking ------------------------------------------------------------------
+    def acquire(self) -> LeaseLock:
+        if self.held:
+            return self
+        self._object = self._object or open_object(self.path)
+        self._record = {**holder_record(), "lease_seconds": self.lease_seconds}
+        began = time.monotonic()
+        while True:
+            try:
+                if self._try_take():
+                    return self
+            except Changed:
+                pass  # another process changed it in between: look again
+            except Exception as error:  # noqa: BLE001 - the clients' own kinds
+                self._retry_or_fail("taking the lock", began, error, fix="nothing was written; run the same "
+                                    "command again once the store answers")  # fmt: skip
+                continue
+            if time.monotonic() - began > self.deadline_seconds:
+                raise ModelDirLockedError(
+                    f"model_dir {self.model_dir}: other processes kept taking and releasing the lock {self.path} "
+                    f"for {self.deadline_seconds:g} s ({DEADLINE_SECONDS}); expected one writer per model_dir. "
+                    "Fix: stop the others, or use another model_dir."
+                )
+
+    def _try_take(self) -> bool:
+        started = time.monotonic()
+        version = self._object.create(self._encoded(), self._call_seconds)
+        if version is not None:
+            self._hold(version, started)
+            return True
+        found = self._object.read(self._call_seconds)
+        if found is None:
+            return False  # released in between
+        holder = parse(found[0], self.path)
+        age = time.time() - holder["renewed_at"]
+        gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
+        if age <= holder["lease_seconds"] and not gone:
+            raise ModelDirLockedError(
+                f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
+                f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
+                "finish, stop it, or use another model_dir; a holder that is gone releases the lock when its "
+                f"lease expires ({holder['lease_seconds']:g} s without renewal), or delete it: "
+                f"{delete_command(self.path)}."
+            )
+        started = time.monotonic()
+        self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
+        reason = "its holder is gone" if gone else f"its lease expired {age - holder['lease_seconds']:.0f} s ago"
+        logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
+        return True
+
+    def _retry_or_fail(self, operation: str, began: float, error: BaseException, fix: str) -> None:
+        """Returns after a pause when the store did not answer and the deadline allows another try;
+        raises otherwise."""
+        if isinstance(error, ModelDirLockedError | StorageError):
+            raise error
+        waited = time.monotonic() - began
+        if not unanswered(error):
+            storage.check_store(self.model_dir, write=True)  # names a missing bucket, credentials, permission
+            raise StorageError(f"{self.path}: {operation} failed: {one_line(error)}") from None
+        if waited >= self.deadline_seconds:
+            raise StoreUnavailableError(
+                f"{self.path}: {operation}: the store did not answer for {waited:.0f} s "
+                f"({one_line(error)}); expected a store that answers within {self.deadline_seconds:g} s "
+                f"({DEADLINE_SECONDS}). Fix: {fix}."
+            ) from None
+        logger.warning(
+            "%s: %s: the store did not answer (%s); trying again for another %.0f s.",
+            self.path, operation, one_line(error), self.deadline_seconds - waited,
+        )  # fmt: skip
+        time.sleep(min(self._call_seconds, self.deadline_seconds - waited))
+
+    # -- keeping -----------------------------------------------------------------
+    def _hold(self, version: str, started: float) -> None:
+        self._version, self._proven_until, self._lost = version, started + self._writable_seconds, None
+        self.held = True
+        self._stop.clear()
+        self._keeper = threading.Thread(target=self._keep, name="estimax-lease", daemon=True)
+        self._keeper.start()
+
+    def _keep(self) -> None:
+        """Renews the lease every L/4 (at once after a failure) until released or lost."""
+        pause = self._call_seconds
+        while not self._stop.wait(pause):
+            started = time.monotonic()
+            try:
+                version = self._object.replace(self._encoded(), self._version, self._call_seconds)
+            except Changed:
+                return self._lose(self._taken_over())
+            except Exception as error:  # noqa: BLE001 - the clients' own kinds
+                left = self._proven_until - time.monotonic()
+                if unanswered(error) and left > 0:
+                    logger.warning("%s: renewing the lease: the store did not answer (%s); trying again for "
+                                   "another %.0f s before this process stops writing.", self.path,
+                                   one_line(error), left)  # fmt: skip
+                    pause = min(1.0, self._call_seconds)
+                    continue
+                if unanswered(error) and started < self._proven_until:
+                    pause = 0.0  # a call begun in time, cut off (perhaps frozen mid-call): once more, now
+                    continue
+                return self._lose(self._unreachable(error))
+            with self._changed:
+                if started > self._proven_until:
+                    logger.warning(
+                        "%s: this process could not prove it held the lease for %.0f s (it was paused or starved "
+                        "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
+                        self.path, started - self._proven_until,
+                    )  # fmt: skip
+                self._version, self._proven_until = version, started + self._writable_seconds
+                self._changed.notify_all()
+            pause = self._call_seconds
+
+    def _lose(self, error: StorageError | ModelDirLockedError) -> None:
+        with self._changed:
+            self._lost = error
+            self._changed.notify_all()
+        # Writes that are under way may be stuck on a store that does not answer: end the process.
+        if not self._stop.wait(self._call_seconds):
+            print(f"estimax: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+            os._exit(STORE_FAILURE_EXIT_CODE)
+
+    def _taken_over(self) -> LeaseLostError:
+        try:
+            found = self._object.read(self._call_seconds)
+            taker = describe(parse(found[0], self.path)) if found else "nobody holds it now (it was deleted)"
+        except Exception as error:  # noqa: BLE001 - the loss is what matters; who took it is a detail
+            taker = f"unknown (reading the lock failed: {one_line(error)})"
+        return LeaseLostError(
+            f"model_dir {self.model_dir}: another process took over the lock {self.path} while this one held it "
+            f"(this one was paused or cut off for longer than the {self.lease_seconds:g} s lease): {taker}. This "
+            f"process stopped writing before its lease could expire; {self._resume()}. Expected one writer per "
+            "model_dir. Fix: let the other process finish, or stop it and run the same command again."
+        )
+
+    def _unreachable(self, error: BaseException) -> StoreUnavailableError:
+        waited = time.monotonic() - (self._proven_until - self._writable_seconds)
+        return StoreUnavailableError(
+            f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({one_line(error)}); "
+            f"this process stopped writing before its {self.lease_seconds:g} s lease could expire. "
+            f"Fix: {self._resume()} with the same command once the store answers."
+        )
+
+    def _expires(self) -> str:
+        return f"none needed: the next run takes the lock over once its lease expires ({self.lease_seconds:g} s)"
+
+    def _resume(self) -> str:
+        step = self.committed_step()
+        return "no checkpoint was saved: training starts over" if step is None else f"resume from step {step}"
+
+    def _encoded(self) -> bytes:
+        return json.dumps({**self._record, "renewed_at": time.time()}).encode()
+
+    # -- writing under it ----------------------------------------------------------
+    def check(self) -> None:
+        """Returns while this process provably holds the lease (or holds none: a reader); raises
+        ``LeaseLostError`` or ``StoreUnavailableError`` once it cannot prove it. Past its proof (it
+        was paused) it waits for the renewal thread's verdict, at most two calls to the store."""
+        if not self.held:
+            return
+        with self._changed:
+            if self._lost is None and time.monotonic() >= self._proven_until:
+                self._changed.wait_for(
+                    lambda: self._lost is not None or time.monotonic() < self._proven_until, 2 * self._call_seconds + 1
+                )
+            lost = self._lost
+            if lost is None and time.monotonic() >= self._proven_until:
+                lost = self._unreachable(TimeoutError("no verdict from the renewal"))
+        if lost is not None:
+            raise type(lost)(str(lost))
+
+    def writable(self) -> bool:
+        """Whether this process may write under the lock now (``check()`` without the error)."""
+        try:
+            self.check()
+        except (LeaseLostError, StoreUnavailableError):
+            return False
+        return True
+
+    # -- releasing -----------------------------------------------------------------
+    def release(self) -> None:
+        """Deletes the lease object if it is still this process's, retrying until the deadline;
+        never raises (it runs in a ``finally``): a failure is one warning line."""
+        if not self.held:
+            return
+        self.held = False
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(self._call_seconds + 1)
+        if self._lost is not None:
+            return  # another process's lock now, or a store that does not answer: nothing to delete
+        began = time.monotonic()
+        while True:
+            try:
+                found = self._object.read(self._call_seconds)
+                if found is not None and found[1] == self._version:
+                    self._object.delete(self._version, self._call_seconds)
+                return
+            except Changed:
+                return
+            except Exception as error:  # noqa: BLE001 - the clients' own kinds
+                try:
+                    self._retry_or_fail("releasing the lock", began, error, fix=self._expires())
+                except Exception as failure:  # noqa: BLE001 - a warning: the error in flight is the one to report
+                    logger.warning("%s", " ".join(str(failure).split()))
+                    return
+
+    def __enter__(self) -> LeaseLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def parse(content: bytes, path: str) -> dict:
+    """The lease record in ``content``; a ``ModelDirLockedError`` saying what the object holds otherwise."""
+    try:
+        holder = json.loads(content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        holder = None
+    if isinstance(holder, dict):
+        renewed, lease = holder.get("renewed_at"), holder.get("lease_seconds")
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (renewed, lease)) and lease > 0:
+            return holder
+    what = (
+        "is empty"
+        if not content.strip()
+        else f"holds {len(content)} bytes that are not a lease record: {content[:60]!r}"
+        + ("..." if len(content) > 60 else "")
+    )
+    raise ModelDirLockedError(
+        f"The lock {path} {what}; expected the JSON record (host, pid, renewed_at, lease_seconds) an estimax "
+        "writer leaves there. It is no estimax lease (a copy or another tool left it). Fix: if no estimax "
+        f"process writes into {storage.parent(path)}, delete it: {delete_command(path)}."
+    )
+
+
+def delete_command(path: str) -> str:
+    return f"`gcloud storage rm {path}`" if storage.scheme(path) == "gs" else f"`aws s3 rm {path}`"
+
+
+def unanswered(error: BaseException) -> bool:
+    """Whether ``error`` says the store did not answer (a timeout, a lost connection, a 5xx)."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    if isinstance(error, ConnectionError | TimeoutError) or names & (_UNANSWERED - {"HttpError"}):
+        return True
+    return "HttpError" in names and (getattr(error, "code", 500) or 500) >= 500

@@ -1,0 +1,110 @@
+"""A lost process of a group, with real processes on 127.0.0.1: the survivors name it and stop.
+
+The bound is short here (ESTIMAX_PEER_TIMEOUT_SECONDS=2); each test prints the time from the
+signal to the last survivor's exit (benchmarks/peer_loss.py measures it for the clusters guide).
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+from test_distributed import JOB, _env, _steps
+
+from estimax import distributed
+from estimax.peers import PEER_LOST_EXIT_CODE
+
+TIMEOUT = 2
+
+
+def _process(command, port, rank, size):
+    env = _env(
+        JAX_NUM_CPU_DEVICES="1",
+        ESTIMAX_COORDINATOR=f"127.0.0.1:{port}",
+        ESTIMAX_NUM_PROCESSES=str(size),
+        ESTIMAX_PROCESS_ID=str(rank),
+        ESTIMAX_PEER_TIMEOUT_SECONDS=str(TIMEOUT),
+        ESTIMAX_LOG_ALL_PROCESSES="1",
+    )
+    return subprocess.Popen(
+        [sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def _lost_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if "Stopping with exit code" in line]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_committed_step(tmp_path):
+    model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
+    group = [_process([JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not _steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
+            assert group[0].poll() is None and time.monotonic() < deadline, group[0].communicate()[0]
+            time.sleep(0.05)
+        with open(os.path.join(out_dir, "pid-1")) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+        killed = time.monotonic()
+        out = group[0].communicate(timeout=120)[0]
+        seconds = time.monotonic() - killed
+    finally:
+        for p in group:
+            p.kill()
+            p.wait()
+    print(f"2 processes, process 1 SIGKILLed: process 0 exited {seconds:.1f} s later")
+    assert group[0].returncode == PEER_LOST_EXIT_CODE, out
+    line = _lost_line(out)
+    assert f"Process 0: lost process 1 (host {socket.gethostname()}) of the group of 2: no sign of life for" in line
+    silent = float(re.search(r"no sign of life for ([\d.]+) s", line).group(1))
+    assert silent >= TIMEOUT
+    # What a restart resumes from: the newest step on disk; or, if the kill came while a save waited for
+    # every process at Orbax's barrier, the one before it, with a word about the one being saved.
+    named = int(re.search(r"The last committed checkpoint is step (\d+)", line).group(1))
+    assert named == max(_steps(model_dir)) or "a later one was being saved" in line, line
+    assert named in _steps(model_dir) and f"resume from step {named} with the same command" in line
+    assert "Check failure" not in out  # estimax's line, not JAX's abort
+
+
+READY = textwrap.dedent(
+    """
+    import sys, time
+    from estimax import distributed
+    distributed.initialize()
+    import jax
+    print("ready", jax.process_index(), flush=True)
+    if jax.process_index() == 1:
+        sys.exit(0)  # ends normally: not lost
+    while True:
+        time.sleep(0.1)
+    """
+)
+
+
+def test_a_frozen_process_of_four_is_named_by_each_survivor_and_one_that_ended_normally_is_not():
+    port = distributed.free_port()
+    group = [_process(["-c", READY], port, r, 4) for r in range(4)]
+    try:
+        for p in group:  # every process has joined: readiness lines, not a sleep
+            assert any(line.startswith("ready") for line in p.stdout), p.communicate()[0]
+        group[2].send_signal(signal.SIGSTOP)  # frozen: its sockets stay open, only its silence tells
+        stopped = time.monotonic()
+        outs = {r: group[r].communicate(timeout=120)[0] for r in (0, 3)}
+        seconds = time.monotonic() - stopped
+    finally:
+        for p in group:
+            p.kill()
+            p.wait()
+    print(f"4 processes, process 2 SIGSTOPped: processes 0 and 3 exited within {seconds:.1f} s")
+    for r, out in outs.items():
+        assert group[r].returncode == PEER_LOST_EXIT_CODE, out
+        line = _lost_line(out)
+        assert f"Process {r}: lost process 2 (host {socket.gethostname()}) of the group of 4" in line
+        assert "process 1" not in line  # it said it was leaving
+        assert "No checkpoint was committed in this run" in line
