@@ -56,10 +56,16 @@ def initialize(
     done, unless ``force=True``: then a group of one on 127.0.0.1 starts, which
     JAX's preemption sync needs. Calling it again is a no-op.
 
-    ``peer_timeout_seconds`` (default ``ESTIMAX_PEER_TIMEOUT_SECONDS``, else 10):
-    how long a process may show no sign of life before every other one logs a
-    line naming it and exits with ``PEER_LOST_EXIT_CODE`` (69), within 1.3 times
-    that (``peers.bound_seconds``).
+    Args:
+        coordinator: ``HOST:PORT`` of process 0.
+        num_processes: how many processes the group has.
+        process_id: this process's index in the group.
+        force: start a group of one on 127.0.0.1 when nothing says there is a group.
+        timeout_seconds: how long to wait for the group to gather.
+        peer_timeout_seconds: how long a process may show no sign of life before
+            every other one logs a line naming it and exits with
+            ``PEER_LOST_EXIT_CODE`` (69), within 1.3 times that
+            (``peers.bound_seconds``); default ``ESTIMAX_PEER_TIMEOUT_SECONDS``, else 10.
     """
     if jax.distributed.is_initialized():
         return True

@@ -164,7 +164,8 @@ class Estimator:
         """The model in its framework's form (an NNX or bound Linen module, the Keras model,
         a bound function), in eval behaviour, for interactive use.
 
-        ``checkpoint``: a step of model_dir or a checkpoint path; default: the current state.
+        Args:
+            checkpoint: a step of model_dir or a checkpoint path; default: the current state.
         """
         state = self._at(checkpoint, "model")
         # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
@@ -185,9 +186,14 @@ class Estimator:
     ) -> Estimator:
         """Trains until ``max_steps`` (absolute), for ``steps`` more, or until ``epochs`` are done.
 
-        ``epochs`` counts from step 0 like ``max_steps`` (a resumed run
-        finishes the same number of epochs); it needs an input of known size.
-        ``hooks`` run on the host after every loop (``estimax.hooks.Hook``).
+        Args:
+            input: the training input (``estimax.data``).
+            max_steps: the step to train until, counted from step 0.
+            steps: how many more steps to train.
+            epochs: train until this many epochs are done; counts from step 0 like
+                ``max_steps`` (a resumed run finishes the same number of epochs); it
+                needs an input of known size.
+            hooks: run on the host after every loop (``estimax.hooks.Hook``).
         """
         input = self._checks.train(input)
         self._train(input, (max_steps, steps, epochs), hooks)
@@ -211,13 +217,22 @@ class Estimator:
 
         Evaluates when a multiple of ``eval_every_steps`` (or of
         ``eval_every_epochs`` epochs) is crossed and at the end, without
-        rebuilding or recompiling anything. ``best`` (``estimax.Best``) names
-        the metric that decides which evaluation is the best: its checkpoint
-        is kept in ``<model_dir>/best``, and with ``patience`` training stops
-        when it has not improved for that many evaluations.
+        rebuilding or recompiling anything.
 
-        ``best_metric=``, ``mode=`` and ``patience=`` still work for one release
-        (a ``DeprecationWarning``): they become ``best=Best(...)``.
+        Args:
+            train_input: the training input (``estimax.data``).
+            eval_input: the held-out input, evaluated exactly each time.
+            max_steps: the step to train until, counted from step 0.
+            epochs: train until this many epochs of ``train_input`` are done.
+            eval_every_steps: evaluate when a multiple of this step is crossed.
+            eval_every_epochs: evaluate every this many epochs instead.
+            best: names the metric that decides which evaluation is the best
+                (``estimax.Best``): its checkpoint is kept in ``<model_dir>/best``, and
+                with ``patience`` training stops when it has not improved for that many
+                evaluations.
+            hooks: run on the host after every loop (``estimax.hooks.Hook``).
+            **deprecated: ``best_metric=``, ``mode=`` and ``patience=`` still work for
+                one release (a ``DeprecationWarning``): they become ``best=Best(...)``.
         """
         if (eval_every_steps is None) == (eval_every_epochs is None):
             raise ValueError(
@@ -320,10 +335,17 @@ class Estimator:
         """Exact loss and metrics over the whole input (or its first ``steps`` batches).
 
         The last partial batch is padded and masked: every example counts
-        once. Returns the results (``"<metric>/<field>"`` for metrics of
-        several values) and ``num_examples``. ``checkpoint``: a step of
-        model_dir or a checkpoint path; default: the current state.
-        ``host_metrics``: this call's, instead of the Estimator's.
+        once.
+
+        Args:
+            input: the input to evaluate (``estimax.data``).
+            steps: evaluate only the first ``steps`` batches.
+            checkpoint: a step of model_dir or a checkpoint path; default: the current state.
+            host_metrics: this call's, instead of the Estimator's.
+
+        Returns:
+            The results (``"<metric>/<field>"`` for metrics of several values) and
+            ``num_examples``.
         """
         host_metrics_lib.check(host_metrics)
         input = self._checks.evaluate(input)
@@ -351,12 +373,15 @@ class Estimator:
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
         """One prediction per example, in input order, as numpy (a dict if model_fn returned one).
 
-        With several processes, each yields the examples of its own shard;
-        ``gather=True``: process 0 yields every process's examples in input
-        order and the others yield nothing (all must still iterate: it is a
-        collective). Input order assumes shards ``i::n``, as ``from_arrays``
-        and Grain ``MapDataset`` inputs have. ``checkpoint``: a step of
-        model_dir or a checkpoint path; default: the current state.
+        With several processes, each yields the examples of its own shard.
+        Input order assumes shards ``i::n``, as ``from_arrays`` and Grain
+        ``MapDataset`` inputs have.
+
+        Args:
+            input: the examples to predict (``estimax.data``).
+            checkpoint: a step of model_dir or a checkpoint path; default: the current state.
+            gather: ``True``: process 0 yields every process's examples in input order and the
+                others yield nothing (all must still iterate: it is a collective).
         """
         input = self._checks.predict(input)
         state = self._at(checkpoint, "predict")
@@ -371,14 +396,18 @@ class Estimator:
 
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
-        size. ``checkpoint``: a step of model_dir or a checkpoint path;
-        default: the current state (the latest checkpoint).
-        ``example_features``: a batch of features (arrays or
-        ``ShapeDtypeStruct``s, any batch size) or an ``ex.data.from_arrays``
-        dataset, giving each feature's shape and dtype; default: those of the
-        last input this Estimator trained, evaluated or predicted on.
-        ``format="tf_saved_model"``: a TensorFlow SavedModel instead (needs
-        ``pip install 'estimax[tf]'``).
+        size.
+
+        Args:
+            path: the directory to write.
+            checkpoint: a step of model_dir or a checkpoint path; default: the current
+                state (the latest checkpoint).
+            example_features: a batch of features (arrays or ``ShapeDtypeStruct``s, any
+                batch size) or an ``ex.data.from_arrays`` dataset, giving each feature's
+                shape and dtype; default: those of the last input this Estimator
+                trained, evaluated or predicted on.
+            format: ``"jax"``, or ``"tf_saved_model"`` for a TensorFlow SavedModel
+                instead (needs ``pip install 'estimax[tf]'``).
         """
         if format not in ("jax", "tf_saved_model"):
             raise ValueError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")

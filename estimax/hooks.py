@@ -122,8 +122,13 @@ def may_stop(hook: Hook) -> bool:
 class EarlyStopping(Hook):
     """Stops training when ``metric`` of split ``split`` has not improved for ``patience`` evaluations.
 
-    ``direction``: ``"min"`` (lower is better) or ``"max"``. ``mode=`` is its old
-    name, kept for one release (a ``DeprecationWarning``).
+    Args:
+        metric: the evaluation metric to watch.
+        direction: ``"min"`` (lower is better) or ``"max"``.
+        patience: how many evaluations without improvement stop training.
+        min_delta: a change smaller than this is not an improvement.
+        split: the evaluation split whose ``metric`` is watched.
+        mode: ``direction``'s old name, kept for one release (a ``DeprecationWarning``).
     """
 
     def __init__(

@@ -120,7 +120,11 @@ class ArrayDataset:
 def from_arrays(features: Any, labels: Any = None) -> ArrayDataset:
     """An input from numpy arrays (or dicts/pytrees of them) with one row per example.
 
-    ``labels`` may be ``None`` (prediction). Training shuffles with the run's
-    seed and repeats; evaluation and prediction visit every example once.
+    Training shuffles with the run's seed and repeats; evaluation and
+    prediction visit every example once.
+
+    Args:
+        features: an array, or a dict/pytree of arrays, one row per example.
+        labels: the same, or ``None`` (prediction).
     """
     return ArrayDataset(features, labels)

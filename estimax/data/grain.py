@@ -216,8 +216,12 @@ def from_grain(dataset, *, num_workers: int = 0, read_options: grain.ReadOptions
       process's shard: read in order; its position is exposed as each
       ``DeviceChunk``'s ``input_state`` for checkpoints.
 
-    ``num_workers > 0`` runs the pipeline in Grain worker processes
-    (``mp_prefetch``; the program needs an ``if __name__ == "__main__":`` guard).
+    Args:
+        dataset: a ``grain.MapDataset``, a ``grain.IterDataset``, or a function
+            ``(process_index, process_count) -> IterDataset``, as above.
+        num_workers: above 0, runs the pipeline in Grain worker processes
+            (``mp_prefetch``; the program needs an ``if __name__ == "__main__":`` guard).
+        read_options: Grain's read threads (``grain.ReadOptions``).
     """
     if isinstance(dataset, grain.MapDataset):
         return MapSource(lambda i, n: dataset[i::n], len(dataset), num_workers=num_workers, read_options=read_options)

@@ -182,9 +182,6 @@ def from_hf(
 ) -> MapSource | IterSource:
     """An input from a Hugging Face dataset (``pip install 'estimax[hf]'``).
 
-    ``features``: the column, or list of columns, of the features (a dict
-    by column name); by default every column but the labels. ``label``: the
-    label column (or a list of them: a dict), or ``None`` for prediction.
     Values come as numpy (``with_format("numpy")``); text must be tokenized
     first (``dataset.map``), and variable-length columns padded.
 
@@ -199,9 +196,14 @@ def from_hf(
       (``state_dict()``) is saved with each checkpoint, so a resumed run
       continues with the row after the last one trained on.
 
-    ``num_workers > 0`` reads in Grain worker processes (for a stream, each
-    worker reads a part of the process's); ``read_options`` sets Grain's
-    read threads (map-style).
+    Args:
+        dataset: a ``datasets.Dataset`` or ``datasets.IterableDataset``, as above.
+        features: the column, or list of columns, of the features (a dict by
+            column name); by default every column but the labels.
+        label: the label column (or a list of them: a dict), or ``None`` for prediction.
+        num_workers: above 0, reads in Grain worker processes (for a stream, each
+            worker reads a part of the process's).
+        read_options: Grain's read threads (map-style).
     """
     datasets = _datasets()
     if isinstance(dataset, datasets.DatasetDict | datasets.IterableDatasetDict):

@@ -72,6 +72,10 @@ class Mean(Inputs):
     """Mean of ``values`` over valid rows (all their elements), weighted by ``weights`` if given.
 
     Result: ``name``. Plain per-example arrays in ``Spec(metrics=...)`` are ``Mean``s.
+
+    Args:
+        values: one row per example.
+        weights: broadcast to the shape of ``values`` (numpy rules), or ``None`` (all 1).
     """
 
     def __init__(self, values, weights=None):
@@ -117,14 +121,18 @@ def _binary_config(metric: str, threshold, from_logits) -> dict:
 class Accuracy(Inputs):
     """Fraction of valid rows whose predicted class equals the label.
 
-    ``predictions``: integer class ids shaped like ``labels``; scores with one
-    more (class) axis, reduced by argmax; or, for a binary task, one float
-    score per example (shape like ``labels``, or a class axis of size 1): a
-    probability, class 1 above ``threshold`` (default 0.5), or a logit with
-    ``from_logits=True`` (default threshold 0). Floats are never truncated to
-    class ids: labels must be integers or bools. Labels outside the classes of
-    the scores, and probabilities outside [0, 1] or NaN, make the result
-    raise. Result: ``name``.
+    Floats are never truncated to class ids: labels must be integers or bools.
+    Labels outside the classes of the scores, and probabilities outside [0, 1]
+    or NaN, make the result raise. Result: ``name``.
+
+    Args:
+        predictions: integer class ids shaped like ``labels``; scores with one
+            more (class) axis, reduced by argmax; or, for a binary task, one float
+            score per example (shape like ``labels``, or a class axis of size 1).
+        labels: integer or bool class ids.
+        threshold: a binary score above it is class 1; default 0.5 for a
+            probability, 0 for a logit.
+        from_logits: the binary scores are logits, not probabilities.
     """
 
     def __init__(self, predictions, labels, *, threshold: float | None = None, from_logits: bool = False):
@@ -132,9 +140,14 @@ class Accuracy(Inputs):
 
 
 class TopK(Inputs):
-    """Fraction of valid rows whose label is among the ``k`` highest ``scores`` (``(..., num_classes)``).
+    """Fraction of valid rows whose label is among the ``k`` highest ``scores``.
 
     Ties at the boundary count as hits, like ``tf.nn.in_top_k``. Result: ``name``.
+
+    Args:
+        scores: one score per class, shaped ``(..., num_classes)``.
+        labels: integer class ids.
+        k: how many of the highest scores count as hits.
     """
 
     def __init__(self, scores, labels, k: int = 5):
@@ -146,15 +159,22 @@ class TopK(Inputs):
 class ConfusionMatrix(Inputs):
     """The ``num_classes x num_classes`` matrix of valid (label, prediction) counts, and what follows from it.
 
-    ``predictions``: class ids, or scores with one more (class) axis of size
-    ``num_classes`` (argmax); with ``num_classes=2`` also one float score per
-    example, thresholded as ``Accuracy`` does (``threshold``, ``from_logits``).
     Results ``name/accuracy``, ``name/{precision,recall,f1}_{macro,micro}``,
     ``name/mean_per_class_accuracy`` (= ``recall_macro``) and, with
     ``per_class=True``, ``name/{precision,recall,f1}_<c>``. A class with no
     prediction has precision 0, one with no example recall 0, and F1 is 0
     when both are (scikit-learn's ``zero_division=0``, over all
     ``num_classes`` classes). Device memory: ``num_classes**2`` int32.
+
+    Args:
+        predictions: class ids, or scores with one more (class) axis of size
+            ``num_classes`` (argmax); with ``num_classes=2`` also one float score per
+            example, thresholded as ``Accuracy`` does (``threshold``, ``from_logits``).
+        labels: integer or bool class ids.
+        num_classes: the number of classes.
+        per_class: also the results of each class.
+        threshold: as ``Accuracy``'s, for one float score per example.
+        from_logits: as ``Accuracy``'s, for one float score per example.
     """
 
     def __init__(
@@ -187,9 +207,15 @@ class AUC(Inputs):
 
     Scores are binned into ``num_thresholds`` equal bins of [0, 1]; the area is
     exact for the binned scores (within about 1/num_thresholds of the exact
-    one). Scores must be probabilities; ``from_logits=True`` applies a sigmoid
-    first. A score outside [0, 1] makes ``compute`` raise, naming the count.
+    one). A score outside [0, 1] makes ``compute`` raise, naming the count.
     NaN when only one class occurs. Device memory: 2 x ``num_thresholds`` int32.
+
+    Args:
+        scores: probabilities, one per example.
+        labels: bool or 0/1.
+        num_thresholds: how many equal bins of [0, 1] the scores fall into.
+        curve: ``"ROC"`` or ``"PR"``.
+        from_logits: the scores are logits: a sigmoid is applied first.
     """
 
     def __init__(self, scores, labels, *, num_thresholds: int = 200, curve: str = "ROC", from_logits: bool = False):

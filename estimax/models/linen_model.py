@@ -22,10 +22,13 @@ from estimax.spec import TRAIN, Mode
 def linen_model(module: linen.Module, *example_args, rng_streams=("dropout",), **example_kwargs) -> WrappedModel:
     """A Flax Linen module, initialised by ``module.init(rngs, *example_args, **example_kwargs)``.
 
-    Example inputs may be arrays or ``jax.ShapeDtypeStruct`` (zeros are used);
-    only their shapes and dtypes matter. ``rng_streams`` names the RNG
-    streams the module draws from besides ``params``; each is derived from
-    the step's key.
+    Args:
+        module: the Linen module.
+        *example_args: example inputs, arrays or ``jax.ShapeDtypeStruct`` (zeros are
+            used); only their shapes and dtypes matter.
+        rng_streams: the RNG streams the module draws from besides ``params``; each is
+            derived from the step's key.
+        **example_kwargs: example keyword inputs, like ``example_args``.
     """
     if not isinstance(module, linen.Module):
         raise TypeError(
