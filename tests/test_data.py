@@ -77,8 +77,8 @@ def _batches(*shapes_and_dtypes):
         (_batches(((32, 6), np.float32), ((32, 6), np.float64)), r"dtype float64; expected \(6,\) float32"),
         (
             [
-                ({"x": np.zeros((32, 6), np.float32)}, np.zeros(32)),
-                ({"y": np.zeros((32, 6), np.float32)}, np.zeros(32)),
+                ({"x": np.zeros((32, 6), np.float32)}, np.zeros(32, np.int32)),
+                ({"y": np.zeros((32, 6), np.float32)}, np.zeros(32, np.int32)),
             ],
             r"missing: \[\"features\['x'\]\"\], unexpected: \[\"features\['y'\]\"\]",
         ),
