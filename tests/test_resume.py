@@ -120,10 +120,13 @@ def test_a_signal_saves_and_exits_for_requeue(tmp_path, uninterrupted, signum):
 def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_path):
     model_dir = str(tmp_path / "run")
     process = _start(model_dir, STEPS, "evaluate")
-    seen = []
-    while not seen or seen[-1].strip() != "evaluating":  # the first evaluation (after step 5) has begun
+    seen, trained = [], False
+    # The first evaluation (after step 5) has begun; the input also says "evaluating" when the
+    # call's start-of-call check reads its first batch, before training.
+    while not (trained and seen[-1].strip() == "evaluating"):
         seen.append(process.stdout.readline())
         assert seen[-1], "".join(seen)
+        trained = trained or "train step 5 " in seen[-1]
     process.send_signal(signal.SIGTERM)  # 200 slow evaluation batches (10 s) are still to come
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 75, "".join(seen) + out
