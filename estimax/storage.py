@@ -58,7 +58,6 @@ def use_one_client() -> None:
     choice), hence on import. The C++ clients each read their own emulator
     variable: they are derived from ``STORAGE_EMULATOR_HOST``, the one the
     Python clients read, on every store access. A variable already set is kept.
-    Every client gets its request timeouts (``client_options``).
     """
     os.environ.setdefault("EPATH_USE_TF", "false")
     host = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -66,7 +65,6 @@ def use_one_client() -> None:
         endpoint = host if "://" in host else f"http://{host}"
         for variable in EMULATOR_VARIABLES:
             os.environ.setdefault(variable, endpoint)
-    client_options()
 
 
 def deadline_seconds() -> float:
@@ -108,6 +106,7 @@ def bounded(operation: str, path: str, function, *args, fix: str = RETRY_FIX, **
         return function(*args, **kwargs)
     from estimax.lease import unanswered  # (lease.py imports this module)
 
+    client_options()  # before the first request: TensorStore reads its variables once
     deadline = deadline_seconds()
     began = time.monotonic()
     while True:
@@ -214,6 +213,7 @@ def filesystem(path: str):
     import fsspec
 
     use_one_client()
+    client_options()
     try:
         return fsspec.core.url_to_fs(path)
     except ImportError:
