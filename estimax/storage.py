@@ -284,7 +284,8 @@ def write_bytes(path: str, data: bytes) -> None:
     fs.pipe_file(inner, data)
 
 
-@_with_deadline("creating")
+# No deadline of its own (its requests have their timeouts): a second try, after an answer lost in
+# transit, could not tell this process's object from another's.
 def create_exclusive(path: str, data: bytes) -> bool:
     """Creates ``path`` holding ``data`` unless it exists; ``False`` if it did. Atomic on every store:
     ``O_EXCL`` on disk, ``ifGenerationMatch=0`` on GCS, ``If-None-Match: *`` on S3."""
@@ -352,10 +353,13 @@ def _forget_listings(fs) -> None:
         instance.invalidate_cache()
 
 
-@_with_deadline("uploading")
 def upload(local_dir: str, url: str, last: str | None = None) -> None:
     """Copies the files of ``local_dir`` to ``url``; the file named ``last`` goes last, so that a
     reader that finds it finds the rest (object stores have no atomic directory rename)."""
+    bounded("uploading", url, _upload, local_dir, url, last)
+
+
+def _upload(local_dir: str, url: str, last: str | None) -> None:
     fs, inner = filesystem(url)
     files = sorted(
         os.path.relpath(os.path.join(root, f), local_dir) for root, _, names in os.walk(local_dir) for f in names

@@ -43,6 +43,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
     gcs, tmp_path, monkeypatch, estimax_log
 ):
     url, data, export = "gs://bkt/deadlines", "gs://bkt/deadlines-data/a.tfrecord", "gs://bkt/deadlines-export"
+    upload = "gs://bkt/deadlines-upload"
     features, labels = blobs(64)
     for model_dir in (url, str(tmp_path / "local")):  # the export's checkpoint is local: its write is under test
         est = estimator(model_dir, steps_per_loop=2, checkpoint=ex.CheckpointPolicy(every_steps=2, async_save=False))
@@ -61,6 +62,8 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
                 lambda: reader.evaluate(ex.data.from_arrays(features, labels), steps=1),
             ),
             _fails_within_the_deadline("checking the bucket", export, lambda: est.export(export)),
+            # export()'s upload, once the target is checked (a stall in between)
+            _fails_within_the_deadline("uploading", upload, lambda: storage.upload(str(tmp_path / "local"), upload)),
             _fails_within_the_deadline("reading", data, lambda: list(feed.eval_batches(source, 8))),
         ]  # fmt: skip
     finally:
@@ -74,7 +77,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
     assert est.export(export) == export
     (batch,) = feed.eval_batches(source, 8)
     np.testing.assert_array_equal(batch[1], labels[:8])
-    print("evaluate, export, data read on a stalled store failed after " + ", ".join(f"{t:.1f}" for t in took) + " s")
+    print("stalled store: evaluate, export, upload, data read failed after", ", ".join(f"{t:.1f}" for t in took), "s")
 
 
 def test_a_checkpoint_save_on_a_stalled_store_ends_training_within_its_lease(gcs):
