@@ -37,7 +37,8 @@ import orbax.checkpoint as ocp
 
 from estimax import counting, noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
-from estimax.errors import CheckpointError
+from estimax.errors import CheckpointError, StorageError
+from estimax.lease import unanswered
 
 logger = logging.getLogger("estimax")
 CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)
@@ -80,7 +81,10 @@ class Checkpointer:
                 best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
             )
         store_options = orbax_s3.options() if storage.scheme(self.directory) == "s3" else {}
-        return ocp.CheckpointManager(
+        return storage.bounded(
+            "opening the checkpoints",
+            self.directory,
+            ocp.CheckpointManager,
             self.directory,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=policy.keep,
@@ -130,7 +134,7 @@ class Checkpointer:
     def refresh(self) -> None:
         """Lists the step directories again (another process, or the group's primary, changed them)."""
         storage.forget_listings(self.directory)
-        self._manager.reload()
+        storage.bounded("listing the checkpoints", self.directory, self._manager.reload)
 
     def steps(self) -> list[int]:
         if self.read_only:
@@ -188,8 +192,12 @@ class Checkpointer:
         """``(state, meta)`` of ``step``, or of the latest checkpoint that restores and verifies.
 
         A corrupt latest checkpoint is skipped with a warning for the one
-        before it; a corrupt ``step`` that was asked for raises.
+        before it; a corrupt ``step`` that was asked for raises. On a store, the restore has
+        the store's deadline (``storage.bounded``): a store that does not answer is no damage.
         """
+        return storage.bounded("restoring a checkpoint", self.directory, self._restore, abstract_state, step)
+
+    def _restore(self, abstract_state, step: int | None):
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         failures, damaged = [], {}
         for candidate in candidates:
@@ -197,6 +205,8 @@ class Checkpointer:
             try:
                 state, meta = self._restore_verified(abstract_state, candidate)
             except Exception as error:  # truncated files, altered arrays
+                if isinstance(error, StorageError) or unanswered(error):
+                    raise  # the store, not the checkpoint: ``bounded`` tries again or reports it
                 failures.append(f"step {candidate}: {_first_line(error)}")
                 logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, _first_line(error))
                 damaged[candidate] = _identity(storage.join(self.directory, str(candidate)))

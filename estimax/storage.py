@@ -9,23 +9,43 @@ then delete where a store has none), and checking a bucket before anything
 is written, so that a missing client library, credentials, bucket or
 permission is one line naming the URL and the fix, and one client per
 store (``use_one_client``: ``gs://`` through gcsfs and the emulator the
-standard variable names, whatever else is installed). Does not own what is
-written where (``run_dir.py``) nor the checkpoint format (Orbax).
+standard variable names, whatever else is installed).
+
+Every store operation has a deadline (``ESTIMAX_STORE_DEADLINE_SECONDS``,
+120 s by default): each request of every client (gcsfs, s3fs, and
+TensorStore, which writes Orbax's arrays) gives up after a quarter of it
+(``client_options``), and ``bounded`` runs an operation (the file
+operations here, a checkpoint restore, a data read) for at most the
+deadline, warning while it tries again, then raises one
+``StoreUnavailableError`` line naming the store, the operation and how long
+it waited. Does not own what is written where (``run_dir.py``) nor the
+checkpoint format (Orbax); the model_dir's lease bounds training's own
+writes (``lease.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import posixpath
+import threading
+import time
 import uuid
 
-from estimax.errors import StorageError
+from estimax.errors import StorageError, StoreUnavailableError, one_line
+
+logger = logging.getLogger("estimax")
 
 # The client library and the extra that installs it, per URL scheme.
 CLIENTS = {"gs": ("gcsfs", "estimax[gcs]"), "s3": ("s3fs", "estimax[s3]")}
 # The GCS emulator variable of each C++ client: TensorStore's (Orbax's arrays), google-cloud-cpp's (ArrayRecord).
 EMULATOR_VARIABLES = ("TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+DEADLINE_SECONDS = "ESTIMAX_STORE_DEADLINE_SECONDS"  # how long one store operation may take, retries included
+DEFAULT_DEADLINE_SECONDS = 120.0  # a slow real bucket, not an emulator
+PROBE = ".estimax-probe-"  # the name of the object ``check_store`` writes and deletes
+RETRY_FIX = "run the same command again once the store answers (a slow store: raise ESTIMAX_STORE_DEADLINE_SECONDS)"
 
 
 def use_one_client() -> None:
@@ -45,6 +65,107 @@ def use_one_client() -> None:
         endpoint = host if "://" in host else f"http://{host}"
         for variable in EMULATOR_VARIABLES:
             os.environ.setdefault(variable, endpoint)
+
+
+def deadline_seconds() -> float:
+    """``ESTIMAX_STORE_DEADLINE_SECONDS`` (120 by default): how long one store operation may take."""
+    from estimax.lease import seconds_from_environment  # (lease.py imports this module)
+
+    return seconds_from_environment(DEADLINE_SECONDS, DEFAULT_DEADLINE_SECONDS)
+
+
+def client_options() -> None:
+    """Gives every request of every client a quarter of the deadline, so that a stalled store
+    (one that accepts connections and answers nothing) fails a request rather than hanging it,
+    and ``bounded`` can try again: gcsfs and s3fs through fsspec's configuration (which Orbax's
+    paths also read), TensorStore through its curl variables (a transfer under 1 byte/s for that
+    long is abandoned; TensorStore then retries by itself). A TensorStore variable already set is kept."""
+    import fsspec.config
+
+    seconds = deadline_seconds() / 4
+    fsspec.config.conf.setdefault("gcs", {})["requests_timeout"] = seconds
+    s3_config = fsspec.config.conf.setdefault("s3", {}).setdefault("config_kwargs", {})
+    s3_config.update(connect_timeout=seconds, read_timeout=seconds)
+    whole = str(max(1, round(seconds)))
+    for variable, value in (("TIME_SECONDS", whole), ("LIMIT_BYTES", "1")):
+        os.environ.setdefault(f"TENSORSTORE_CURL_LOW_SPEED_{variable}", value)
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", whole)
+
+
+def bounded(operation: str, path: str, function, *args, fix: str = RETRY_FIX, **kwargs):
+    """``function(*args, **kwargs)`` given at most the deadline when ``path`` is on a store.
+
+    It runs on a thread of its own, so that a call blocked on a store that does not answer
+    is abandoned (it ends with its request timeout); one that failed because the store did
+    not answer is tried again. A warning says so each quarter of the deadline; at the
+    deadline, one ``StoreUnavailableError`` line naming ``path``, ``operation``, the wait
+    and ``fix``. Any other error is the function's own. Within another bounded operation it
+    runs as it is: the outer one bounds it, and its failure is the outer one's to report.
+    """
+    if not is_url(path) or getattr(_bounding, "active", False):
+        return function(*args, **kwargs)
+    from estimax.lease import unanswered  # (lease.py imports this module)
+
+    client_options()  # before the first request: TensorStore reads its variables once
+    deadline = deadline_seconds()
+    began = time.monotonic()
+    while True:
+        call = _Call(function, args, kwargs)
+        while not call.done.wait(max(0.0, min(deadline / 4, began + deadline - time.monotonic()))):
+            waited = time.monotonic() - began
+            if waited >= deadline:
+                raise _unavailable(operation, path, waited, deadline, "no answer", fix)
+            logger.warning("%s: %s: the store has not answered for %.0f s; waiting another %.0f s.",
+                           path, operation, waited, deadline - waited)  # fmt: skip
+        if call.error is None:
+            return call.result
+        if isinstance(call.error, StorageError) or not unanswered(call.error):
+            raise call.error
+        waited = time.monotonic() - began
+        if waited >= deadline:
+            raise _unavailable(operation, path, waited, deadline, one_line(call.error), fix)
+        logger.warning("%s: %s: the store did not answer (%s); trying again for another %.0f s.",
+                       path, operation, one_line(call.error), deadline - waited)  # fmt: skip
+        time.sleep(min(1.0, deadline - waited))
+
+
+_bounding = threading.local()  # ``active`` on the thread of a bounded operation
+
+
+class _Call:
+    """A function running on a daemon thread: a process may end while it is blocked."""
+
+    def __init__(self, function, args, kwargs):
+        self.result, self.error, self.done = None, None, threading.Event()
+        threading.Thread(target=self._run, args=(function, args, kwargs), name="estimax-store", daemon=True).start()
+
+    def _run(self, function, args, kwargs) -> None:
+        _bounding.active = True
+        try:
+            self.result = function(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            self.error = error
+        self.done.set()
+
+
+def _unavailable(operation: str, path: str, waited: float, deadline: float, last: str, fix: str):
+    return StoreUnavailableError(
+        f"{path}: {operation}: the store did not answer for {waited:.0f} s ({last}); expected a store that "
+        f"answers within {deadline:g} s ({DEADLINE_SECONDS}). Fix: {fix}."
+    )
+
+
+def _with_deadline(operation: str):
+    """Bounds a file operation of this module whose first argument is the path (see ``bounded``)."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(path, *args, **kwargs):
+            return bounded(operation, path, function, path, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 use_one_client()
@@ -92,6 +213,7 @@ def filesystem(path: str):
     import fsspec
 
     use_one_client()
+    client_options()
     try:
         return fsspec.core.url_to_fs(path)
     except ImportError:
@@ -102,6 +224,7 @@ def filesystem(path: str):
         ) from None
 
 
+@_with_deadline("checking that it exists")
 def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
@@ -109,6 +232,7 @@ def exists(path: str) -> bool:
     return fs.exists(inner)
 
 
+@_with_deadline("listing")
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
@@ -117,14 +241,17 @@ def isdir(path: str) -> bool:
     return fs.isdir(inner)
 
 
+@_with_deadline("listing")
 def listdir(path: str) -> list[str]:
-    """The names directly under ``path``; ``[]`` when there is nothing."""
+    """The names directly under ``path``; ``[]`` when there is nothing. ``check_store``'s probes are
+    left out: a store that stalled may have written one after its writer gave up (and never deleted it)."""
     if not is_url(path):
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
     fs, inner = filesystem(path)
     fs.invalidate_cache(inner)
     with contextlib.suppress(FileNotFoundError):
-        return sorted(posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False))
+        names = (posixpath.basename(p.rstrip("/")) for p in fs.ls(inner, detail=False))
+        return sorted(n for n in names if not n.startswith(PROBE))
     return []
 
 
@@ -134,6 +261,7 @@ def makedirs(path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
 
+@_with_deadline("reading")
 def read_bytes(path: str) -> bytes:
     if not is_url(path):
         with open(path, "rb") as f:
@@ -142,6 +270,7 @@ def read_bytes(path: str) -> bytes:
     return fs.cat_file(inner)
 
 
+@_with_deadline("writing")
 def write_bytes(path: str, data: bytes) -> None:
     """Writes ``path`` whole: atomically on disk (a temporary file renamed), one object upload on a store."""
     if not is_url(path):
@@ -155,6 +284,8 @@ def write_bytes(path: str, data: bytes) -> None:
     fs.pipe_file(inner, data)
 
 
+# No deadline of its own (its requests have their timeouts): a second try, after an answer lost in
+# transit, could not tell this process's object from another's.
 def create_exclusive(path: str, data: bytes) -> bool:
     """Creates ``path`` holding ``data`` unless it exists; ``False`` if it did. Atomic on every store:
     ``O_EXCL`` on disk, ``ifGenerationMatch=0`` on GCS, ``If-None-Match: *`` on S3."""
@@ -176,6 +307,7 @@ def create_exclusive(path: str, data: bytes) -> bool:
     return True
 
 
+@_with_deadline("deleting")
 def remove(path: str, recursive: bool = False) -> None:
     """Deletes ``path`` (a missing one is no error)."""
     if not is_url(path):
@@ -193,6 +325,7 @@ def remove(path: str, recursive: bool = False) -> None:
     _forget_listings(fs)
 
 
+@_with_deadline("moving")
 def move(source: str, target: str) -> None:
     """Moves a file or directory: a rename on disk; on an object store, which has no rename,
     a copy then a delete (the source is deleted only once the copy is complete)."""
@@ -223,6 +356,10 @@ def _forget_listings(fs) -> None:
 def upload(local_dir: str, url: str, last: str | None = None) -> None:
     """Copies the files of ``local_dir`` to ``url``; the file named ``last`` goes last, so that a
     reader that finds it finds the rest (object stores have no atomic directory rename)."""
+    bounded("uploading", url, _upload, local_dir, url, last)
+
+
+def _upload(local_dir: str, url: str, last: str | None) -> None:
     fs, inner = filesystem(url)
     files = sorted(
         os.path.relpath(os.path.join(root, f), local_dir) for root, _, names in os.walk(local_dir) for f in names
@@ -231,6 +368,7 @@ def upload(local_dir: str, url: str, last: str | None = None) -> None:
         fs.put_file(os.path.join(local_dir, relative), posixpath.join(inner, *relative.split(os.sep)))
 
 
+@_with_deadline("downloading")
 def download(url: str, local_dir: str) -> str:
     """Copies the objects under ``url`` into ``local_dir``; returns ``local_dir``."""
     fs, inner = filesystem(url)
@@ -242,6 +380,7 @@ def download(url: str, local_dir: str) -> str:
     return local_dir
 
 
+@_with_deadline("checking the bucket")
 def check_store(path: str, *, write: bool) -> None:
     """Raises a one-line ``StorageError`` unless ``path``'s bucket can be used: the client library,
     credentials, the bucket and (with ``write``) permission to write, checked before anything runs."""
@@ -249,7 +388,7 @@ def check_store(path: str, *, write: bool) -> None:
         return
     fs, inner = filesystem(path)
     bucket = inner.split("/", 1)[0]
-    probe = f"{inner.rstrip('/')}/.estimax-probe-{uuid.uuid4().hex[:12]}"
+    probe = f"{inner.rstrip('/')}/{PROBE}{uuid.uuid4().hex[:12]}"
     try:
         if write:
             fs.pipe_file(probe, b"")
@@ -259,6 +398,10 @@ def check_store(path: str, *, write: bool) -> None:
     except StorageError:
         raise
     except Exception as error:  # the clients' own types: google.auth, botocore, aiohttp, OSError
+        from estimax.lease import unanswered
+
+        if unanswered(error):
+            raise  # ``bounded`` tries again
         raise StorageError(f"{path}: {_reason(error, bucket)}") from None
 
 

@@ -2,8 +2,9 @@
 
 Owns expanding paths (a path, a glob such as ``data/train-*.tfrecord``, or a
 list of either; any fsspec URL: ``gs://``, ``s3://``, ``memory://``, local),
-opening and reading byte ranges, and assigning files to processes. Does not
-own any file format.
+opening and reading byte ranges, and assigning files to processes. On a
+store each listing and read has the store's deadline (``storage.bounded``).
+Does not own any file format.
 """
 
 from __future__ import annotations
@@ -33,14 +34,17 @@ class File(NamedTuple):
 
     def read(self) -> bytes:
         """The whole file, decompressed if ``.gz``; a damaged ``.gz`` is an error naming the file."""
+        return storage.bounded("reading", self.name, self._read_whole)
+
+    def _read_whole(self) -> bytes:
         with self.open() as f:
             return f.read()
 
     def read_range(self, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self.path, start=start, end=end)
+        return storage.bounded("reading", self.name, self.fs.cat_file, self.path, start=start, end=end)
 
     def size(self) -> int:
-        return self.fs.size(self.path)
+        return storage.bounded("reading", self.name, self.fs.size, self.path)
 
 
 class _CheckedGzip(gzip.GzipFile):
@@ -76,8 +80,8 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
         paths = [paths]
     files: list[File] = []
     for pattern in map(storage.expand, paths):
-        fs, path = fsspec.core.url_to_fs(pattern)
-        matches = sorted(fs.glob(path)) if glob_lib.has_magic(path) else [path] if fs.isfile(path) else []
+        fs, path = storage.filesystem(pattern)
+        matches = storage.bounded("listing", pattern, _matches, fs, path)
         if not matches:
             raise FileNotFoundError(f"Input files {pattern!r} match no file; expected an existing path or pattern.")
         files.extend(File(fs, m, _display(pattern, fs, m)) for m in matches)
@@ -86,12 +90,17 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
     return files
 
 
+def _matches(fs, path: str) -> list[str]:
+    return sorted(fs.glob(path)) if glob_lib.has_magic(path) else [path] if fs.isfile(path) else []
+
+
 def listing(directory: str | os.PathLike) -> list[str]:
     """The names of the files in ``directory`` (any fsspec URL); raises if it is not a directory."""
-    fs, path = fsspec.core.url_to_fs(storage.expand(directory))
-    if not fs.isdir(path):
+    url = storage.expand(directory)
+    fs, path = storage.filesystem(url)
+    if not storage.bounded("listing", url, fs.isdir, path):
         raise FileNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
-    return [os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)]
+    return [os.path.basename(p.rstrip("/")) for p in storage.bounded("listing", url, fs.ls, path, detail=False)]
 
 
 def _display(pattern: str, fs, path: str) -> str:

@@ -20,6 +20,7 @@ import grain
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from estimax import storage
 from estimax.data import files as files_lib
 from estimax.data.grain import MapSource, file_source
 from estimax.errors import InputError
@@ -103,7 +104,7 @@ class Records:
 
     def _index(self, file: files_lib.File) -> list[tuple[int, int]]:
         if file.name not in self._indexes:
-            self._indexes[file.name] = index_records(file)
+            self._indexes[file.name] = storage.bounded("indexing the records", file.name, index_records, file)
         return self._indexes[file.name]
 
     def _first_records(self) -> np.ndarray:

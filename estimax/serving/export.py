@@ -126,7 +126,8 @@ def check_target(path: str) -> None:
     """Raises unless ``path`` is new, empty, or an earlier export (which is replaced), and, on an object
     store, writable (a missing bucket is a ``StorageError`` naming the URL before anything is traced)."""
     storage.check_store(path, write=True)
-    earlier = any(storage.exists(storage.join(path, name)) for name in (SIGNATURE, "saved_model.pb"))
+    # The program is uploaded first and the signature last: an upload the store cut off left the program.
+    earlier = any(storage.exists(storage.join(path, name)) for name in (SIGNATURE, PROGRAM, "saved_model.pb"))
     if storage.isdir(path) and storage.listdir(path) and not earlier:
         raise ValueError(
             f"export() target {path} is a non-empty directory that is not an estimax export; expected a new "
