@@ -179,12 +179,16 @@ def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
     assert est.step == 0
 
 
-def test_two_processes_saving_to_gs_are_killed_and_resume_bitwise(gcs, tmp_path, uninterrupted_two_processes):
-    """2 processes x 4 devices write one gs:// model_dir; one is killed with SIGKILL after a save; the
-    restarted group ends with the parameters of an uninterrupted run, bit for bit."""
+@pytest.mark.parametrize("store", ["gs", "s3"])
+def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(
+    store, request, tmp_path, uninterrupted_two_processes
+):
+    """2 processes x 4 devices write one model_dir on a bucket; one is killed with SIGKILL after a save;
+    the restarted group ends with the parameters of an uninterrupted run, bit for bit."""
     from test_distributed import STEPS, _finish, _launcher, _max_difference, _result
 
-    url, out_dir = "gs://bkt/multihost", tmp_path / "out"
+    request.getfixturevalue({"gs": "gcs", "s3": "s3"}[store])  # the store's server on 127.0.0.1
+    url, out_dir = f"{store}://bkt/multihost", tmp_path / "out"
     launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
     deadline = time.monotonic() + 120
     # A bucket has no atomic rename: a step's folder is listed while it is written. Step 8's folder
