@@ -50,12 +50,6 @@ def describe_input(input) -> str:
     return f"a plain iterable of batches ({type(input).__name__})"
 
 
-def resumes_anywhere(input) -> bool:
-    """Whether the input's position follows from the step alone, whatever the process count
-    (``from_arrays``, Grain ``MapDataset``s, the file readers, map-style Hugging Face data)."""
-    return isinstance(input, SizedSource)
-
-
 class Plan:
     """The batches of one Estimator's verbs.
 
