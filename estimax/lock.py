@@ -55,6 +55,12 @@ class Lock:
             os.makedirs(self.model_dir, exist_ok=True)
         except OSError as error:
             raise not_writable(self.model_dir, error) from None
+        if os.path.isdir(self.path):
+            raise ModelDirLockedError(
+                f"model_dir {self.model_dir} has a directory {self.path} where estimax keeps its lock file; "
+                "expected a file or nothing. Fix: move that directory out of the model_dir (it is not "
+                "estimax's), or use another model_dir."
+            )
         record = holder_record()
         for _attempt in range(3):
             if self._create(record):

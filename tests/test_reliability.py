@@ -605,6 +605,14 @@ def test_an_empty_or_garbage_lock_file_says_what_it_is_and_how_to_clear_it(tmp_p
     assert _steps(model_dir) == [2]
 
 
+def test_a_directory_where_the_lock_file_goes_is_one_line(tmp_path):
+    path = tmp_path / "run" / LOCK_FILE
+    path.mkdir(parents=True)
+    with pytest.raises(ModelDirLocked, match=rf"has a directory {path} where estimax keeps its lock file.*Fix: move"):
+        estimator(str(tmp_path / "run")).train(DATA, max_steps=2)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def _read_line_with(stream, text, lines):
     """Reads ``stream`` line by line (into ``lines``) until one holds ``text``; the child's readiness."""
     for line in stream:
