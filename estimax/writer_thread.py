@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 
-from estimax.errors import WriterError
+from estimax.errors import StoreUnavailableError, WriterError
 
 logger = logging.getLogger("estimax")
 
@@ -80,9 +80,12 @@ class InBackground:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise self._failure() from self._error
+            failure = self._failure()
+            raise failure from (None if failure is self._error else self._error)
 
-    def _failure(self) -> WriterError:
+    def _failure(self) -> WriterError | StoreUnavailableError:
+        if isinstance(self._error, StoreUnavailableError):
+            return self._error  # the store's own line and exit code (74) say it all
         return WriterError(
             f"{type(self.writer).__name__} to {self.where} failed: {type(self._error).__name__}: {self._error}. "
             "Fix: free space or fix access there, or turn this writer off (RunConfig(tensorboard=False), "
@@ -109,4 +112,4 @@ class InBackground:
                 )
         if self._error is not None:
             failure, cause, self._error = self._failure(), self._error, None
-            raise failure from cause
+            raise failure from (None if failure is cause else cause)

@@ -281,3 +281,22 @@ def test_sigterm_on_a_full_disk_ends_the_process(small_disk):
     said = [line for line in out.splitlines() if line.startswith("estimax: error: ")]
     assert process.returncode == 75 or (process.returncode == 2 and len(said) == 1), out
     assert "never retrieved" not in out, out  # asyncio's echo of the failed save is kept off the console
+
+
+def test_a_writer_whose_store_stopped_answering_reports_the_store_not_itself():
+    """A store past its deadline is the store's one line and exit code (74), not a writer failure."""
+    from estimax.errors import STORE_FAILURE_EXIT_CODE, StoreUnavailableError
+    from estimax.writer_thread import InBackground
+
+    class Stalled:
+        def write(self, split, step, values):
+            raise StoreUnavailableError("gs://b/run/metrics.jsonl: writing: the store did not answer for 120 s")
+
+        def close(self):
+            pass
+
+    writer = InBackground(Stalled(), "gs://b/run/metrics.jsonl")
+    writer.write("train", 1, {"loss": 1.0})
+    with pytest.raises(StoreUnavailableError, match=r"^gs://b/run/metrics.jsonl: writing: the store did not") as e:
+        writer.close()
+    assert e.value.exit_code == STORE_FAILURE_EXIT_CODE == 74
