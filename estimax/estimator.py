@@ -281,6 +281,8 @@ class Estimator:
         resized = resize.resumed(
             self._plan, input, restored, self._run_record["shape"], start, self.run_dir.last_train_step
         )
+        # Before any writer opens: an input that cannot continue from here is refused with nothing written.
+        chunks = self._plan.train_chunks(input, start, target, self._current.input_state)
         logger.info(
             "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
             start,
@@ -308,7 +310,6 @@ class Estimator:
             fence=self.run_dir.fence,
         )  # fmt: skip
         info = RunInfo(start, target, cfg.train_batch_size, per_epoch, self.run_dir.url)
-        chunks = self._plan.train_chunks(input, start, target, self._current.input_state)
         with feed.Prefetch(chunks) as chunks:
             try:
                 loop.run(state, info, chunks, self._current.publish, evaluation)
