@@ -278,9 +278,7 @@ class Estimator:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
         restored = self._current.restored if self._current.origin == "restored" else None
-        resized = resize.resumed(
-            self._plan, input, restored, self._run_record["shape"], start, self.run_dir.last_train_step
-        )
+        resized = resize.resumed(self._plan, input, restored, self._run_record["shape"], start, self.run_dir.records)
         # Before any writer opens: an input that cannot continue from here is refused with nothing written.
         chunks = self._plan.train_chunks(input, start, target, self._current.input_state)
         logger.info(
@@ -318,6 +316,8 @@ class Estimator:
                 raise
         if self._current.step < target and not loop.stopped:
             logger.info("Input ran out at step %d (before %d).", self._current.step, target)
+        if resized is not None and (cost := resize.totals(self.run_dir.records, self._current.step)):
+            logger.info("%s", cost)
         return loop
 
     def _writers(self, files: bool = True, continuing_from: int | None = None) -> list:

@@ -113,14 +113,13 @@ class RunDir:
             writers.append(InBackground(TensorBoardWriter(events, continuing_from), events, writable))
         return writers
 
-    def last_train_step(self) -> int | None:
-        """The last step ``metrics.jsonl`` has a train record of (a run that died may have gone past
-        its last checkpoint); ``None`` without one."""
+    def records(self, split: str) -> list[dict]:
+        """The ``metrics.jsonl`` records of ``split`` (``"train"``, ``"resize"``, ...), in order; none
+        without the file."""
         path = self.path(METRICS)
         if not storage.exists(path):
-            return None
-        steps = [r.get("step") for r in map(_record, storage.read_bytes(path).decode().splitlines())]
-        return max((s for s in steps if isinstance(s, int)), default=None)
+            return []
+        return [r for r in map(_record, storage.read_bytes(path).decode().splitlines()) if r.get("split") == split]
 
     def fence(self) -> None:
         """Raises once this process cannot prove it still holds the model_dir's lease (``lease.py``):
@@ -237,8 +236,8 @@ class NoRunDir:
     def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
         return []
 
-    def last_train_step(self) -> None:
-        return None
+    def records(self, split: str) -> list[dict]:
+        return []
 
     def fence(self) -> None:
         pass  # no lock to lose
@@ -295,9 +294,9 @@ def check_supported(url: str) -> None:
 
 
 def _record(line: str) -> dict:
-    """A train record of ``metrics.jsonl``, else ``{}`` (another split, or a line cut short)."""
+    """A record of ``metrics.jsonl``, else ``{}`` (a line cut short, or not a record)."""
     try:
         record = json.loads(line)
     except ValueError:
         return {}
-    return record if isinstance(record, dict) and record.get("split") == "train" else {}
+    return record if isinstance(record, dict) else {}

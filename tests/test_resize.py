@@ -7,6 +7,7 @@ Random-access inputs are checked by reading them as 2 processes, then 3, against
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
+from estimax import resize
 from estimax.data import arrayrecord, feed, tfrecord
 from estimax.data.plan import POSITIONS
 
@@ -138,6 +140,8 @@ def test_a_group_resumes_in_another_shape_like_a_run_that_never_stopped(tmp_path
     assert record["step"] == 12 and (record["processes_before"], record["processes"]) == (2, 1)
     assert (record["devices_before"], record["devices"]) == (8, 8) and record["seconds_since_checkpoint"] >= 0
     assert record["steps_redone"] == 0  # the run before stopped at its checkpoint
+    assert re.search(r"This run changed shape 1 time: [\d.]+ s from those checkpoints to training again, 0 steps "
+                     r"trained again; step goodput 1\.000 \(24 steps kept of 24 trained\)", log), log  # fmt: skip
 
     # A stream: each process's own position is saved; another number of processes is refused, nothing trained.
     stream = str(tmp_path / "stream")
@@ -148,3 +152,13 @@ def test_a_group_resumes_in_another_shape_like_a_run_that_never_stopped(tmp_path
     log = _run(1, 8, stream, str(tmp_path / "d"), "16", "stream", ok=False)
     assert "InputError: The training input is a Grain IterDataset per process (from_grain)" in log
     assert sorted(os.listdir(os.path.join(stream, "checkpoints"))) == ["4", "8"]
+
+
+def test_the_cost_of_the_changes_of_shape_adds_up_over_the_run():
+    resizes = [{"seconds_since_checkpoint": 30.5, "steps_redone": 4}, {"seconds_since_checkpoint": float("nan")}]
+    records = {"resize": resizes}.get
+    assert resize.totals(lambda split: records(split, []), 100) == (
+        "This run changed shape 2 times: 30.5 s from those checkpoints to training again, 4 steps trained again; "
+        "step goodput 0.962 (100 steps kept of 104 trained)."
+    )
+    assert resize.totals(lambda split: [], 100) is None
