@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 from estimax import counting, noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
-from estimax.lease import unanswered
+from estimax.storage import unanswered
 
 logger = logging.getLogger("estimax")
 CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)

@@ -39,41 +39,19 @@ from estimax import storage
 from estimax.conditional import Changed, open_object
 from estimax.errors import (
     STORE_FAILURE_EXIT_CODE,
-    ConfigError,
     LeaseLostError,
     ModelDirLockedError,
     StorageError,
     StoreUnavailableError,
     one_line,
 )
-from estimax.lock import LOCK_FILE, describe, holder_record, is_stale
+from estimax.lock import LOCK_FILE, Lock, describe, holder_record, is_stale
+from estimax.storage import DEADLINE_SECONDS, seconds_from_environment, unanswered
 
 logger = logging.getLogger("estimax")
 
 LEASE_SECONDS = "ESTIMAX_LEASE_SECONDS"
 """The environment variable that sets the lease time (default 60 s)."""
-DEADLINE_SECONDS = "ESTIMAX_STORE_DEADLINE_SECONDS"
-"""The environment variable that sets how long taking and releasing the lock retry (default 120 s)."""
-
-# A store that does not answer (these are retried until the deadline); anything else is an answer.
-_UNANSWERED = {
-    "TimeoutError", "ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
-    "ClientPayloadError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
-    "ConnectionClosedError", "HttpError", "ProxyError",
-}  # fmt: skip
-
-
-def seconds_from_environment(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"{name}={text!r}; expected a positive number of seconds. Fix: e.g. {name}={default:g}.")
-    return value
 
 
 class LeaseLock:
@@ -348,9 +326,6 @@ def delete_command(path: str) -> str:
     return f"`gcloud storage rm {path}`" if storage.scheme(path) == "gs" else f"`aws s3 rm {path}`"
 
 
-def unanswered(error: BaseException) -> bool:
-    """Whether ``error`` says the store did not answer (a timeout, a lost connection, a 5xx)."""
-    names = {cls.__name__ for cls in type(error).__mro__}
-    if isinstance(error, ConnectionError | TimeoutError) or names & (_UNANSWERED - {"HttpError"}):
-        return True
-    return "HttpError" in names and (getattr(error, "code", 500) or 500) >= 500
+def lock_for(model_dir: str):
+    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store."""
+    return LeaseLock(model_dir) if storage.is_url(model_dir) else Lock(model_dir)

@@ -234,12 +234,3 @@ def not_writable(directory: str, error: OSError) -> ModelDirNotWritableError:
         f"metrics can be written. Fix: {fix}. Reading its checkpoints (evaluate, predict, "
         "checkpoint=...) needs no write access."
     )
-
-
-def lock_for(model_dir: str):
-    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store."""
-    if not storage.is_url(model_dir):
-        return Lock(model_dir)
-    from estimax.lease import LeaseLock  # it builds on this module's holder record
-
-    return LeaseLock(model_dir)

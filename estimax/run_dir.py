@@ -41,7 +41,7 @@ from estimax.errors import (
     StorageError,
     StoreUnavailableError,
 )
-from estimax.lock import lock_for
+from estimax.lease import lock_for
 
 logger = logging.getLogger("estimax")
 

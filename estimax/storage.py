@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 
-from estimax.errors import StorageError, StoreUnavailableError, one_line
+from estimax.errors import ConfigError, StorageError, StoreUnavailableError, one_line
 
 logger = logging.getLogger("estimax")
 
@@ -69,8 +69,6 @@ def use_one_client() -> None:
 
 def deadline_seconds() -> float:
     """``ESTIMAX_STORE_DEADLINE_SECONDS`` (120 by default): how long one store operation may take."""
-    from estimax.lease import seconds_from_environment  # (lease.py imports this module)
-
     return seconds_from_environment(DEADLINE_SECONDS, DEFAULT_DEADLINE_SECONDS)
 
 
@@ -104,8 +102,6 @@ def bounded(operation: str, path: str, function, *args, fix: str = RETRY_FIX, **
     """
     if not is_url(path) or getattr(_bounding, "active", False):
         return function(*args, **kwargs)
-    from estimax.lease import unanswered  # (lease.py imports this module)
-
     client_options()  # before the first request: TensorStore reads its variables once
     deadline = deadline_seconds()
     began = time.monotonic()
@@ -398,8 +394,6 @@ def check_store(path: str, *, write: bool) -> None:
     except StorageError:
         raise
     except Exception as error:  # the clients' own types: google.auth, botocore, aiohttp, OSError
-        from estimax.lease import unanswered
-
         if unanswered(error):
             raise  # ``bounded`` tries again
         raise StorageError(f"{path}: {_reason(error, bucket)}") from None
@@ -423,3 +417,32 @@ def _reason(error: BaseException, bucket: str) -> str:
             "another location."
         )
     return f"the bucket {bucket!r} cannot be used: {text.strip()[:300]}"
+
+
+# A store that does not answer (these are retried until the deadline); anything else is an answer.
+_UNANSWERED = {
+    "TimeoutError", "ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientOSError",
+    "ClientPayloadError", "EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError",
+    "ConnectionClosedError", "HttpError", "ProxyError",
+}  # fmt: skip
+
+
+def seconds_from_environment(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"{name}={text!r}; expected a positive number of seconds. Fix: e.g. {name}={default:g}.")
+    return value
+
+
+def unanswered(error: BaseException) -> bool:
+    """Whether ``error`` says the store did not answer (a timeout, a lost connection, a 5xx)."""
+    names = {cls.__name__ for cls in type(error).__mro__}
+    if isinstance(error, ConnectionError | TimeoutError) or names & (_UNANSWERED - {"HttpError"}):
+        return True
+    return "HttpError" in names and (getattr(error, "code", 500) or 500) >= 500
