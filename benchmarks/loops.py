@@ -12,13 +12,15 @@ numpy arrays, a fresh permutation per epoch, rows gathered per batch):
 - ``estimax``:  ``Estimator.train`` with ``loop="auto"`` and the same K, fed two ways:
   ``from_arrays`` (estimax gathers the rows) and a plain Python iterable of host
   batches (the references' own generator: estimax checks and stacks them); each
-  with ``model_dir=None`` and with a model_dir (``_model_dir``: metrics.jsonl and
-  TensorBoard with every step's points, the default log interval, no checkpoints).
+  with ``model_dir=None`` and with a model_dir (``_model_dir``: ``RunConfig``'s
+  defaults: metrics.jsonl, TensorBoard with every step's points, the default log
+  interval, checkpoints every 1,000 steps within ``max_overhead``, and the one
+  each ``train`` call ends with).
   ``--estimax arrays,arrays_model_dir`` times only some of the four.
 
 Each contender is warmed up first (compilation excluded), then timed windows
 alternate between contenders for a few rounds; the best steps/s of each is
-kept. One JSON line per workload goes to stdout, with
+kept (every round's are in ``steps_per_sec_rounds``). One JSON line per workload goes to stdout, with
 ``ratio_<input> = estimax / max(jit_step, jit_scan)`` for each input (target
 >= 0.95), the loop ``auto`` chose, and per contender the achieved TFLOP/s by
 the compiler's count of the hand-written step, the MFU where the device's
@@ -268,8 +270,8 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
 
 def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tuple[Callable[[int], None], ex.Estimator]:
     """``input``: "arrays" (``from_arrays``) or "iterable" (a generator of host batches). With a
-    ``model_dir``: the default logging (metrics.jsonl, TensorBoard with every step's points, a
-    log line every ``log_every_steps``); checkpoints off (``benchmarks/checkpoint.py`` times them)."""
+    ``model_dir``: ``RunConfig``'s defaults (metrics.jsonl, TensorBoard with every step's points, a
+    log line every ``log_every_steps``, checkpoints by its default policy)."""
 
     def model_fn(model, features, labels, mode, params):
         outputs = model(features["x"])
@@ -277,11 +279,7 @@ def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tupl
             return ex.Spec(predictions={"y": outputs})
         return ex.Spec(loss=w.loss(outputs, labels))
 
-    logging_settings = (
-        dict(log_every_steps=10**9)
-        if model_dir is None
-        else dict(checkpoint=ex.CheckpointPolicy(every_steps=None), tensorboard=True)
-    )
+    logging_settings = dict(log_every_steps=10**9) if model_dir is None else {}  # a model_dir: the defaults
     config = ex.RunConfig(
         model_dir=model_dir,
         train_batch_size=w.batch,
@@ -334,10 +332,11 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
     }
     for run, warmup, _ in contenders.values():
         run(warmup)
-    best = dict.fromkeys(contenders, 0.0)
+    rates = {name: [] for name in contenders}
     for _ in range(rounds):
         for name, (run, _, steps) in contenders.items():
-            best[name] = max(best[name], steps_per_sec(run, steps))
+            rates[name].append(steps_per_sec(run, steps))
+    best = {name: max(values) for name, values in rates.items()}
     reference = max(best["jit_step"], best["jit_scan"])
     return {
         "workload": w.name,
@@ -346,6 +345,7 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
         "steps_per_loop": w.k,
         "compute_dtype": w.compute_dtype,
         **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
+        "steps_per_sec_rounds": {name: [round(v, 1) for v in values] for name, values in rates.items()},
         "estimax_loop": {input: est.compiled().loop for input, (_, est) in estimators.items()},
         **{f"ratio_{input}": round(best[f"estimax_{input}"] / reference, 3) for input in estimators},
         **model_rates(w, x, y, best),

@@ -1,8 +1,8 @@
 """Checkpoints of the TrainState in ``<model_dir>/checkpoints`` through Orbax.
 
-Owns when a save is due (a multiple of ``every_steps`` crossed, or
-``every_seconds`` passed), async saving, which checkpoints are kept, and
-restoring the latest *good* one into the shardings the run expects.
+Owns saving (async), which checkpoints are kept, and restoring the latest
+*good* one into the shardings the run expects; when a save is due is
+``save_schedule.py``'s, told here when each save starts and commits.
 
 A checkpoint is the state (Orbax ``StandardSave``: tensorstore arrays and
 JSON metadata, never pickle) plus a JSON record with the step, the input
@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import counting, noise, orbax_s3, storage
+from estimax import noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
+from estimax.save_schedule import SaveSchedule
 from estimax.storage import unanswered
 
 logger = logging.getLogger("estimax")
@@ -66,7 +67,7 @@ class Checkpointer:
         self._best = best
         self._manager = self._open(read_only)
         self._checksums = jax.jit(checksums)
-        self._last_save = time.monotonic()
+        self.schedule = SaveSchedule(self.policy)
         self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
         self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
         self._moved_aside: dict[int, str] = {}
@@ -154,11 +155,10 @@ class Checkpointer:
         return max(steps, default=None)
 
     def due(self, step_before: int, step_after: int) -> bool:
-        """Whether the loop that just ended crossed a multiple of ``every_steps`` or the time interval."""
-        every, seconds = self.policy.every_steps, self.policy.every_seconds
-        by_steps = counting.crossed(every, step_before, step_after)
-        by_time = seconds is not None and time.monotonic() - self._last_save >= seconds
-        return by_steps or by_time
+        """Whether a save is due after the loop ``step_before`` -> ``step_after`` (``SaveSchedule``)."""
+        if self.read_only or not self._manager.is_saving_in_progress():
+            self.schedule.finished()
+        return self.schedule.due(step_before, step_after)
 
     def save(self, step: int, state, input_state=None, metrics: dict | None = None, loop: str | None = None) -> None:
         """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices.
@@ -177,9 +177,11 @@ class Checkpointer:
             meta["loop"] = loop
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         self._saving = step
+        self.schedule.started()
         with self._disk_errors():
             self._manager.save(step, args=args, force=True, metrics=metrics)
-        self._last_save = time.monotonic()
+        if not self.policy.async_save:
+            self.schedule.finished()
         if step in self._moved_aside:
             logger.warning(
                 "Saved step %d again in %s; the damaged one is kept in %s.",
@@ -324,6 +326,7 @@ class Checkpointer:
     def wait(self) -> None:
         with self._disk_errors():
             self._manager.wait_until_finished()
+        self.schedule.finished()
 
     def close(self) -> None:
         self._manager.close()

@@ -46,6 +46,11 @@ class CheckpointPolicy:
       keep_every_hours: also keep one checkpoint per this many hours, forever.
       async_save: write in the background; training waits only while the
         state is copied off the devices.
+      max_overhead: the largest fraction of training time saves due by
+        ``every_steps`` may take: such a save is put off (with one log line)
+        while the last save, from its start to its commit, took more than this
+        fraction of the time since it started (``save_schedule.py``). ``None``:
+        every multiple is saved. ``RunConfig``'s default policy has ``0.02``.
     """
 
     every_steps: int | None = 1000
@@ -53,6 +58,7 @@ class CheckpointPolicy:
     keep: int = 3
     keep_every_hours: float | None = None
     async_save: bool = True
+    max_overhead: float | None = None
 
     def __post_init__(self):
         _check_positive("CheckpointPolicy", "keep", self.keep)
@@ -62,6 +68,19 @@ class CheckpointPolicy:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
+        if self.max_overhead is not None and not (
+            isinstance(self.max_overhead, int | float) and 0 < self.max_overhead < 1
+        ):
+            raise ConfigError(
+                f"CheckpointPolicy(max_overhead={self.max_overhead!r}) is not a fraction of the training time; "
+                "expected a number between 0 and 1, e.g. 0.02, or None. Fix: max_overhead=0.02 (saves take at most "
+                "2% of the time), or None (every multiple of every_steps is saved)."
+            )
+
+
+DEFAULT_CHECKPOINT_POLICY = CheckpointPolicy(max_overhead=0.02)
+"""``RunConfig``'s policy when none is given: a save every 1,000 steps, put off while saves would
+take more than 2% of the time (a model that runs 1,000 steps in a fraction of a second)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +216,7 @@ class RunConfig:
     loop: str = "auto"
     seed: int = 0
     log_every_steps: int = 100
-    checkpoint: CheckpointPolicy = CheckpointPolicy()
+    checkpoint: CheckpointPolicy = DEFAULT_CHECKPOINT_POLICY
     tensorboard: bool = True
     quiet: bool = False
     profile_steps: tuple[int, int] | None = None
@@ -227,6 +246,8 @@ class RunConfig:
                     f"disagree; {shorthand} is a shorthand for CheckpointPolicy({field}=...). "
                     f"Fix: give only one of them."
                 )
+        if "every_steps" in shorthands and self.checkpoint == DEFAULT_CHECKPOINT_POLICY:
+            shorthands["max_overhead"] = None  # a cadence asked for is kept, as CheckpointPolicy(every_steps=...) is
         if shorthands:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):

@@ -179,7 +179,7 @@ class TrainingLoop:
         """
         before, step = current.step_before, current.step_after
         self.fence()
-        due, stop = self.checkpointer.due(before, step), False
+        due, stop = self._due(before, step), False
         with self._saving_on_error(state, current, due):
             if unread is not None:
                 stop |= self._after_loop(unread, waited)
@@ -204,6 +204,14 @@ class TrainingLoop:
             self.stopped = True
             logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
         return unread, stop
+
+    def _due(self, before: int, step: int) -> bool:
+        """Whether a save is due here: the same answer on every process (process 0's, where it
+        depends on the clock: ``every_seconds``, ``max_overhead``), or their barriers would part."""
+        due = self.checkpointer.due(before, step)
+        if self.checkpointer.saves and self.checkpointer.schedule.depends_on_clock(before, step):
+            due = self.sync.share(f"whether the checkpoint of step {step} is due", "due" if due else "") == "due"
+        return due
 
     def _finish(self, state, last: _Loop | None, unread: _Loop | None, evaluation, preemption) -> None:
         """The last read, the final evaluation and save; waits for the saves in flight."""

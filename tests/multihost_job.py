@@ -1,6 +1,6 @@
 """One process of a multi-process run, for tests/test_distributed.py.
 
-`python tests/multihost_job.py MODEL_DIR OUT_DIR [train|evaluate] [MAX_STEPS] [SECONDS_PER_LOOP] [adam|fsdp|tp]`
+`python tests/multihost_job.py MODEL_DIR OUT_DIR [train|evaluate] [MAX_STEPS] [SECONDS_PER_LOOP] [adam|fsdp|tp|clock]`
 
 Joins the group from the ESTIMAX_* variables (a no-op with none: one
 process), with the devices JAX_NUM_CPU_DEVICES gives. `train` trains the
@@ -56,7 +56,11 @@ def main():
     max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else 24
     seconds_per_loop = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
     variant = sys.argv[6] if len(sys.argv) > 6 else None
-    layout = {} if variant is None else {"optimizer": optax.adam(1e-2)}
+    layout = {} if variant in (None, "clock") else {"optimizer": optax.adam(1e-2)}
+    saves = {"save_every_steps": 4}
+    if variant == "clock":  # clocks that disagree: process 0's says a save is due at every loop, 1's never
+        seconds = 1e-3 if jax.process_index() == 0 else 1e6
+        saves = {"checkpoint": ex.CheckpointPolicy(every_steps=None, every_seconds=seconds, keep=100)}
     if variant == "fsdp":
         layout.update(mesh={"fsdp": 8}, fsdp_min_bytes=0)
     if variant == "tp":  # l1 column parallel, l2 row parallel, over the 2 devices of "model" in each process
@@ -70,8 +74,8 @@ def main():
         model_dir,
         loop="scan",
         steps_per_loop=4,
-        save_every_steps=4,
         eval_batch_size=16,
+        **saves,
         sync_timeout_seconds=60,
         **layout,
     )

@@ -46,7 +46,24 @@ def test_policy_saves_by_time(model_dir):
 
 def test_save_every_steps_is_a_shorthand():
     config = ex.RunConfig(save_every_steps=7, keep_checkpoints=1)
-    assert config.checkpoint == ex.CheckpointPolicy(every_steps=7, keep=1)
+    assert config.checkpoint == ex.CheckpointPolicy(every_steps=7, keep=1)  # kept exactly: max_overhead=None
+    assert ex.RunConfig().checkpoint == ex.CheckpointPolicy(every_steps=1000, max_overhead=0.02)
+    with pytest.raises(ex.errors.ConfigError, match=r"max_overhead=2\) is not a fraction .* Fix: max_overhead=0.02"):
+        ex.CheckpointPolicy(max_overhead=2)
+
+
+def test_saves_due_by_steps_are_put_off_while_they_would_cost_more_than_max_overhead(model_dir, estimax_log):
+    # A loop of this model takes about a millisecond, a save tens: saving every 2 steps would be most
+    # of the time. Put off, the saves by steps take at most 2% of it; the end is always saved.
+    bounded = ex.CheckpointPolicy(every_steps=2, keep=1000, max_overhead=0.02)
+    estimator(model_dir, steps_per_loop=2, checkpoint=bounded).train(DATA, max_steps=120)
+    saved = _steps(model_dir)
+    assert saved[-1] == 120 and all(step % 2 == 0 for step in saved) and len(saved) <= 10, saved
+    put_off = [r.getMessage() for r in estimax_log.records if "is put off" in r.getMessage()]
+    assert len(put_off) == 1 and "CheckpointPolicy(max_overhead=None) saves at every multiple" in put_off[0]
+    exact = ex.CheckpointPolicy(every_steps=2, keep=1000)  # max_overhead=None
+    estimator(model_dir + "-exact", steps_per_loop=2, checkpoint=exact).train(DATA, max_steps=20)
+    assert _steps(model_dir + "-exact") == list(range(2, 21, 2))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "alter"])

@@ -95,6 +95,17 @@ def test_two_processes_train_and_evaluate_like_one(runs):
     assert not any(line.startswith("[1] ") and "estimax  train step" in line for line in out.splitlines())
 
 
+def test_saves_decided_by_the_clock_are_made_by_every_process_at_once(runs, tmp_path):
+    # every_seconds and max_overhead read each process's clock: process 0's answer is everyone's, or a
+    # process that saves would wait at the save's barrier for one that trains on. Here the clocks
+    # disagree on every loop (process 0 saves every loop by its policy, process 1 never by its own).
+    _, one, _, _ = runs
+    _finish(_launcher(str(tmp_path / "run"), str(tmp_path / "out"), "train", str(STEPS), "0.0", "clock"))
+    clocked = _result(tmp_path / "out")
+    assert clocked["step"] == STEPS and sorted(_steps(str(tmp_path / "run"))) == list(range(4, STEPS + 1, 4))
+    assert _max_difference(one["params"], clocked["params"]) <= 1e-5
+
+
 def test_predict_yields_every_example_once(runs):
     root, one, two, _ = runs
     assert len(two["predictions"]) == len(one["predictions"]) == 203
