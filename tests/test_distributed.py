@@ -38,11 +38,17 @@ def _env(**extra):
 def _launcher(*job_args, max_restarts=0):
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
     command += ["--max-restarts", str(max_restarts), "--", sys.executable, JOB, *job_args]
-    return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _finish(process, timeout=120):
-    out, _ = process.communicate(timeout=timeout)
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its group: none outlives a failed test
+        raise
     assert process.returncode == 0, out
     return out
 
