@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, calls, compile_cache, recording, report, resize, run_record, validation
+from estimax import accumulation, calls, compile_cache, metric_logger, recording, resize, run_record, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
@@ -111,7 +111,7 @@ class Estimator:
         self._train_runner: TrainRunner | None = None
         self._checks = validation.ModeChecks(self._core, self._abstract_state, self._plan)
         self._evaluator = Evaluator(self._core, self.layout, self._plan, config.quiet)
-        report.ensure_console()
+        metric_logger.ensure_console()
 
     # -- state ---------------------------------------------------------------
     @property

@@ -3,7 +3,7 @@ files, trackers), the built-in hooks that feed them, and an evaluation's record.
 
 Owns which writers a process gets (files and trackers on process 0 only, and
 only when it may write into model_dir). Does not own how each writer writes
-(``writers.py``, ``trackers.py``) nor what a train record holds (``report.py``).
+(``writers.py``, ``trackers.py``) nor what a train record holds (``metric_logger.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import jax
 
 from estimax import counting, flops, trackers
 from estimax.hooks import Hook
+from estimax.metric_logger import MetricLogger
 from estimax.progress import ProgressBar
-from estimax.report import MetricLogger
 from estimax.writers import ConsoleWriter
 
 logger = logging.getLogger("estimax")

@@ -8,7 +8,7 @@ One tracker run per model_dir: its id is kept in ``<model_dir>/trackers.json``,
 so a resumed ``train`` and a later ``evaluate`` log to the same run.
 
 Owns the tracker settings, the writers and the run ids. Does not own when
-records are written (``report.py``), nor which process writes (only process
+records are written (``metric_logger.py``), nor which process writes (only process
 0 builds writers: ``Estimator``). Each library is an optional extra
 (``estimax[mlflow]``), imported only when used. A tracker is a settings
 object with ``writer(run) -> Writer``: ``TRACKERS`` names them.
