@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, calls, compile_cache, metric_logger, recording, resize, run_record, validation
+from estimax import accumulation, calls, compile_cache, metric_logger, recording, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
@@ -83,7 +83,7 @@ class Estimator:
         self.params = dict(params or {})
         compile_cache.enable(config.compilation_cache)
         self.mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
-        self._run_record = run_record.record(config.train_batch_size, config.seed, optimizer, resize.shape(self.mesh))
+        self._run_record = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(self.mesh))
         with jax.set_mesh(self.mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
             adapter = resolve_model(model, self.params, config.seed)
             self._core = Core(
