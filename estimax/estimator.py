@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, calls, compile_cache, metric_logger, recording, resize, run_setup, validation
+from estimax import accumulation, call_writers, calls, compile_cache, metric_logger, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
@@ -300,7 +300,7 @@ class Estimator:
         if resized is not None:
             for writer in writers:
                 writer.write("resize", start, resized)
-        hooks = recording.builtin_hooks(self.config, writers, self.mesh.size) + list(hooks)
+        hooks = call_writers.builtin_hooks(self.config, writers, self.mesh.size) + list(hooks)
         profiler = Profiler(cfg.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
             self._train_runner, self.run_dir.checkpoints, hooks, self._param_names, skip_nonfinite=cfg.skip_nonfinite,
@@ -321,7 +321,7 @@ class Estimator:
         return loop
 
     def _writers(self, files: bool = True, continuing_from: int | None = None) -> list:
-        return recording.writers(self.config, self.run_dir, self.params, self._tracker_runs, files, continuing_from)
+        return call_writers.writers(self.config, self.run_dir, self.params, self._tracker_runs, files, continuing_from)
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time
@@ -352,7 +352,7 @@ class Estimator:
         input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
-        recording.record_evaluation(self.run_dir, self._writers, int(jax.device_get(state.step)), results)
+        call_writers.record_evaluation(self.run_dir, self._writers, int(jax.device_get(state.step)), results)
         return results
 
     @calls.one_thread_at_a_time
