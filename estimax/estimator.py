@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import accumulation, call_writers, calls, compile_cache, metric_logger, resize, run_setup, validation
+from estimax import accumulation, call_writers, calls, compile_cache, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
@@ -38,6 +38,7 @@ from estimax.state import leaf_names
 from estimax.step import Core
 from estimax.training import Evaluation, TrainingLoop
 from estimax.warm_start import WarmStart
+from estimax.writers import ensure_console
 
 logger = logging.getLogger("estimax")
 
@@ -111,7 +112,7 @@ class Estimator:
         self._train_runner: TrainRunner | None = None
         self._checks = validation.ModeChecks(self._core, self._abstract_state, self._plan)
         self._evaluator = Evaluator(self._core, self.layout, self._plan, config.quiet)
-        metric_logger.ensure_console()
+        ensure_console()
 
     # -- state ---------------------------------------------------------------
     @property

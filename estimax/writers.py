@@ -199,6 +199,19 @@ class ConsoleWriter:
         pass
 
 
+def ensure_console() -> None:
+    """Shows estimax's INFO lines on the console unless the application set up the
+    ``estimax`` logger itself (absl, pulled in by Orbax, claims the root logger)."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s estimax  %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:  # distributed.initialize quiets processes other than 0
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def format_values(values: Mapping[str, float]) -> str:
     parts = []
     for name, value in values.items():
