@@ -18,7 +18,8 @@ is an error naming the arrays that differ, checked on Orbax's array metadata
 before anything is read.
 
 A Checkpointer opens read-only (it creates, cleans and renames nothing)
-until ``open_for_writing()``, which the Estimator calls under the lock.
+until ``open_for_writing()``, which ``RunDir.writing`` (``run_dir.py``) calls
+under the lock. Where the checkpoints of a run live is ``run_dir.py``'s.
 """
 
 from __future__ import annotations

@@ -1,24 +1,31 @@
 """RunConfig, CheckpointPolicy and Best: where a run writes, how big its
 batches are, how it loops, when it saves, and which evaluation is the best.
 
-Validated, immutable dataclasses. They own settings only; nothing here
-touches devices or files.
+Validated, immutable dataclasses. They own settings and the checks of each
+setting on its own (names, ranges, the form of mesh axes and sharding rules);
+nothing here touches devices or files, and nothing imports JAX: a check that
+needs the devices (a batch that splits over them) is ``data/plan.py``'s, made
+when a call starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
+import re
+import sys
 import warnings
+from collections.abc import Mapping, Sequence
 
 from estimax import counting
 from estimax.errors import ConfigError
-from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
-from estimax.precision import check_compute_dtype
-from estimax.trackers import resolve as resolve_trackers
+from estimax.tracker_kinds import resolve as resolve_trackers
 
 LOOP_KINDS = ("auto", "scan", "step")
+"""The device loops ``RunConfig(loop=...)`` and ``--loop`` take."""
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+"""The dtypes ``RunConfig(compute_dtype=...)`` may run the model in (``precision.py``)."""
+DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, small biases) stay whole on every device
 DIRECTIONS = ("max", "min")
 # Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
 _LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
@@ -252,16 +259,12 @@ class RunConfig:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
             _check_positive("RunConfig", name, getattr(self, name))
-        if self.train_batch_size % self.grad_accum_steps:
-            import jax  # the suggestions also split over the devices, as the Estimator's check requires
-
-            devices = math.lcm(self.num_devices or jax.device_count(), jax.process_count())
-            multiple = self.grad_accum_steps * devices
+        if self.train_batch_size % self.grad_accum_steps:  # over the devices too: Plan.check, when training starts
             raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
                 f"grad_accum_steps={self.grad_accum_steps} equal micro-batches; expected a multiple of "
-                f"{self.grad_accum_steps} (and of {multiple} to split over {devices} devices). Fix: use "
-                f"train_batch_size {counting.nearest_multiples(self.train_batch_size, multiple)}."
+                f"{self.grad_accum_steps}. Fix: use train_batch_size "
+                f"{counting.nearest_multiples(self.train_batch_size, self.grad_accum_steps)}."
             )
         if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
             raise ValueError(
@@ -296,6 +299,66 @@ class RunConfig:
     @property
     def global_predict_batch_size(self) -> int:
         return self.predict_batch_size or self.global_eval_batch_size
+
+
+def check_compute_dtype(name: str | None) -> None:
+    if name is not None and name not in COMPUTE_DTYPES:
+        raise ValueError(
+            f"RunConfig(compute_dtype={name!r}) is not a supported compute dtype; expected one of "
+            f"{COMPUTE_DTYPES} or None (compute in the parameters' dtype)."
+        )
+
+
+def check_mesh_axes(axes) -> dict[str, int] | None:
+    """``RunConfig(mesh=...)`` as a dict, or a ValueError/TypeError naming what is wrong."""
+    if axes is None:
+        return None
+    if not isinstance(axes, Mapping) or not axes:
+        raise TypeError(f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}.")
+    for name, size in axes.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise ValueError(
+                f"RunConfig(mesh=...) gives axis {name!r} size {size!r}; expected a positive integer or -1 (the rest)."
+            )
+    if sum(size == -1 for size in axes.values()) > 1:
+        raise ValueError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
+    return dict(axes)
+
+
+def check_rules(rules) -> tuple[tuple[str, tuple], ...]:
+    """``RunConfig(sharding_rules=...)`` as a tuple of ``(regex, spec)``, or an error naming the bad entry."""
+    example = "e.g. [(r'.*mlp/up/kernel', ('fsdp', 'model'))]"
+    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise TypeError(f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}.")
+    # A PartitionSpec exists only once jax.sharding is imported: it is recognised without importing JAX here.
+    partition_spec = getattr(sys.modules.get("jax.sharding"), "PartitionSpec", tuple)
+    checked = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise TypeError(
+                f"RunConfig(sharding_rules=...)[{i}] is {rule!r}; expected a (regex, spec) pair, {example}."
+            )
+        pattern, spec = rule
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
+        spec = tuple(spec) if isinstance(spec, tuple | list | partition_spec) else spec
+        if not isinstance(spec, tuple) or not all(_is_spec_entry(e) for e in spec):
+            raise TypeError(
+                f"RunConfig(sharding_rules=...)[{i}] ({pattern!r}) has spec {spec!r}; expected a tuple with one "
+                "entry per dimension: a mesh axis name, a tuple of names, or None (not sharded)."
+            )
+        checked.append((pattern, spec))
+    return tuple(checked)
+
+
+def _is_spec_entry(entry) -> bool:
+    return (
+        entry is None or isinstance(entry, str) or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
+    )
 
 
 def best_from(best: Best | None, deprecated: dict) -> Best | None:

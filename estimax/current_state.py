@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable
 
 from estimax import checkpoint as checkpoint_lib
-from estimax import run_record
+from estimax import run_setup
 from estimax.errors import EstimaxError
 from estimax.state import has_deleted_arrays
 
@@ -32,7 +32,7 @@ class CurrentState:
       shapes: ``() -> ShapeDtypeStruct`` tree with shardings, the target of every restore.
       initialise: ``() -> TrainState``, a fresh state placed in its shardings.
       warm_start: a ``WarmStart`` applied to a fresh state, or ``None``.
-      run_meta: this run's setup (``run_record.record``), compared with a restored checkpoint's.
+      run_meta: this run's setup (``run_setup.record``), compared with a restored checkpoint's.
     """
 
     def __init__(self, run_dir, shapes: Callable, initialise: Callable, warm_start=None, run_meta: dict | None = None):
@@ -57,7 +57,7 @@ class CurrentState:
             self.state, meta = checkpoints.restore(self.shapes())
             self.step, self.input_state, self.origin = meta["step"], meta.get("input_state"), "restored"
             self.loop, self.restored = meta.get("loop"), meta
-            run_record.warn_on_resume(meta.get("run"), self.run_meta, self.step, checkpoints.directory)
+            run_setup.warn_on_resume(meta.get("run"), self.run_meta, self.step, checkpoints.directory)
         elif self.state is None:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"
             if self.warm_start is not None:

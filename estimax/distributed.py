@@ -122,7 +122,7 @@ def initialize(
         peers.PeerWatch(_client(), jax.process_index(), jax.process_count(), peer_timeout).start()
     if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
         logger.setLevel(logging.WARNING)  # process 0 speaks for the group
-    from estimax.report import ensure_console
+    from estimax.writers import ensure_console
 
     ensure_console()  # the first line says which group this is, before any Estimator exists
     logger.info(

@@ -6,7 +6,7 @@ prediction steps (``loop.EvalRunner``, built on first use), the progress bar,
 merging metric states into results, a ``host_metrics`` function over every
 example's outputs, and prediction rows in input order. Does not own which
 state is evaluated (``current_state.py``) nor where results are written
-(the Estimator's writers).
+(``call_writers.py``).
 
 A failure of the user's code inside an evaluation (the input, a metric's
 ``compute``, a ``host_metrics`` function) becomes one ``EvaluationError``

@@ -1,6 +1,6 @@
 """TensorBoard event files, encoded directly: scalars as ``tensorflow.Event`` records.
 
-An event file is a sequence of TFRecords (``records.py``), the first a
+An event file is a sequence of TFRecords (``tfrecord_framing.py``), the first a
 ``file_version`` event, each next one an ``Event`` with a wall time, a step and
 a ``Summary`` of ``simple_value`` scalars, the form TensorBoard's scalar
 dashboard reads, or a ``SessionLog.START`` that marks where a run (re)started.
@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from estimax.records import frame
+from estimax.tfrecord_framing import frame
 
 # Field keys of tensorflow.Event and tensorflow.Summary(.Value): (field number << 3) | wire type.
 _WALL_TIME, _STEP, _FILE_VERSION, _SUMMARY, _SESSION_LOG = b"\x09", b"\x10", b"\x1a", b"\x2a", b"\x3a"

@@ -7,7 +7,7 @@ counted once by XLA, so its count is multiplied by the micro-batches. The
 achieved rate per device is that count times the steps per second over the
 number of devices; MFU divides it by the device's dense peak for the compute
 dtype, from ``PEAKS``. Owns the count, the table and the arithmetic; does not
-own when they are logged (``report.py``).
+own when they are logged (``metric_logger.py``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ A stop takes effect at the loop boundary where it was asked: the state at
 that step is the one saved. So that this holds, while any hook may stop from
 ``after_loop``, each loop's outputs are read before the next loop is
 dispatched (the device waits for the host between loops); a hook whose
-``after_loop`` never stops sets ``may_stop = False`` and keeps the overlap.
+``after_loop`` never stops sets ``may_stop = False`` and keeps the overlap, as
+the built-in logging and progress bar do. ``may_stop`` below is the one place
+that reads it (``training.py`` asks it of every hook of a call).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -35,65 +35,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax import mesh as mesh_lib
+from estimax.config import DEFAULT_FSDP_MIN_BYTES
 from estimax.state import TrainState, leaf_names
 
 logger = logging.getLogger("estimax")
-
-DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, small biases) stay whole on every device
-
-
-# -- settings: checked in RunConfig before anything touches devices ------------------------
-
-
-def check_mesh_axes(axes) -> dict[str, int] | None:
-    """``RunConfig(mesh=...)`` as a dict, or a ValueError/TypeError naming what is wrong."""
-    if axes is None:
-        return None
-    if not isinstance(axes, Mapping) or not axes:
-        raise TypeError(f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}.")
-    for name, size in axes.items():
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
-        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(
-                f"RunConfig(mesh=...) gives axis {name!r} size {size!r}; expected a positive integer or -1 (the rest)."
-            )
-    if sum(size == -1 for size in axes.values()) > 1:
-        raise ValueError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
-    return dict(axes)
-
-
-def check_rules(rules) -> tuple[tuple[str, tuple], ...]:
-    """``RunConfig(sharding_rules=...)`` as a tuple of ``(regex, spec)``, or an error naming the bad entry."""
-    example = "e.g. [(r'.*mlp/up/kernel', ('fsdp', 'model'))]"
-    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
-        raise TypeError(f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}.")
-    checked = []
-    for i, rule in enumerate(rules):
-        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(
-                f"RunConfig(sharding_rules=...)[{i}] is {rule!r}; expected a (regex, spec) pair, {example}."
-            )
-        pattern, spec = rule
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
-        spec = tuple(spec) if isinstance(spec, tuple | list | P) else spec
-        if not isinstance(spec, tuple) or not all(_is_spec_entry(e) for e in spec):
-            raise TypeError(
-                f"RunConfig(sharding_rules=...)[{i}] ({pattern!r}) has spec {spec!r}; expected a tuple with one "
-                "entry per dimension: a mesh axis name, a tuple of names, or None (not sharded)."
-            )
-        checked.append((pattern, spec))
-    return tuple(checked)
-
-
-def _is_spec_entry(entry) -> bool:
-    return (
-        entry is None or isinstance(entry, str) or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
-    )
-
 
 # -- the layout ------------------------------------------------------------------------------
 

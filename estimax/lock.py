@@ -13,8 +13,9 @@ process id, the process's start time and its command line.
   not renewed for its lease time means the holder is gone.
 
 Readers (evaluating, predicting or exporting another run's checkpoints) take
-no lock. Does not own who takes it (the Estimator: process 0 for the group)
-nor what is written under it.
+no lock. Does not own who takes it (``RunDir.writing`` in ``run_dir.py``:
+process 0 for the group, around each training call), which lock a model_dir
+gets (``lease.lock_for``), nor what is written under it.
 """
 
 from __future__ import annotations

@@ -14,16 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def check_compute_dtype(name: str | None) -> None:
-    if name is not None and name not in COMPUTE_DTYPES:
-        raise ValueError(
-            f"RunConfig(compute_dtype={name!r}) is not a supported compute dtype; expected one of "
-            f"{COMPUTE_DTYPES} or None (compute in the parameters' dtype)."
-        )
-
 
 def cast_floating(tree, dtype):
     """``tree`` with every floating leaf cast to ``dtype``; other leaves unchanged."""

@@ -22,6 +22,8 @@ from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
 
 
 class ProgressBar(Hook):
+    may_stop = False  # it only shows: training dispatches the next loop before it reads the last
+
     def __init__(self, global_batch_size: int, smoothing: float = 0.9):
         self.global_batch_size = global_batch_size
         self.smoothing = smoothing

@@ -18,7 +18,7 @@ and refusing, before anything is written, a location that cannot hold a run.
 Every other module asks a ``RunDir`` for a path; none joins one itself.
 ``NoRunDir`` (``RunConfig(model_dir=None)``) answers the same questions:
 no checkpoints, no files, nothing to lock. Does not own what a checkpoint
-holds (``checkpoint.py``) nor what a record says (``report.py``).
+holds (``checkpoint.py``) nor what a record says (``metric_logger.py``).
 """
 
 from __future__ import annotations

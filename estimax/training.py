@@ -5,7 +5,7 @@ the previous loop's outputs (never the one just dispatched, so the device is
 not left idle), check them for NaN/Inf, hand records to the hooks, evaluate
 when due, checkpoint when due, stop on preemption, early stopping or a
 non-finite value, and account where the time went. The device loops
-themselves are ``loop.py``'s; the Estimator sets everything up.
+themselves are ``loop.py``'s; ``trainer.py`` sets each call up.
 """
 
 from __future__ import annotations
@@ -99,7 +99,6 @@ class TrainingLoop:
         skip_nonfinite: bool,
         profiler: Profiler,
         sync: Sync | None = None,
-        exact_stops: bool | None = None,
         saved_position: Callable = lambda position: position,
         fence: Callable[[], None] = lambda: None,
     ):
@@ -108,8 +107,9 @@ class TrainingLoop:
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
         self.saved_position = saved_position  # what a checkpoint keeps of the input's position
         self.fence = fence  # raises once the model_dir's lease is lost: nothing more may be written
-        # Whether a hook may stop after a loop: then each loop is read before the next is dispatched.
-        self.exact_stops = any(map(may_stop, self.hooks)) if exact_stops is None else exact_stops
+        # Whether a hook may stop after a loop (decided here only): then each loop is read before the next
+        # is dispatched. The built-in hooks never stop (``may_stop = False``) and keep the overlap.
+        self.exact_stops = any(map(may_stop, self.hooks))
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
         self.laps = Laps()
         self.last_metrics: dict[str, float] = {}

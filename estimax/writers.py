@@ -5,7 +5,7 @@ destination; one that wants every step's points (``every_step``) also takes a
 loop's per-step columns in one ``write_steps`` call. Files go to a local disk
 or an object store (``gs://``, ``s3://``): a store cannot append, so there a
 writer keeps what it wrote and uploads whole objects at its flush points.
-Owns no aggregation (``report.py`` decides what and when) and no thread
+Owns no aggregation (``metric_logger.py`` decides what and when) and no thread
 (``writer_thread.py`` keeps the file writers off the training thread).
 """
 
@@ -197,6 +197,19 @@ class ConsoleWriter:
 
     def close(self) -> None:
         pass
+
+
+def ensure_console() -> None:
+    """Shows estimax's INFO lines on the console unless the application set up the
+    ``estimax`` logger itself (absl, pulled in by Orbax, claims the root logger)."""
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s estimax  %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:  # distributed.initialize quiets processes other than 0
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def format_values(values: Mapping[str, float]) -> str:

@@ -213,7 +213,10 @@ def test_killed_and_resumed_with_accumulation_is_bitwise_identical(tmp_path):
 
 
 def test_a_batch_that_does_not_split_is_refused_before_compiling():
-    with pytest.raises(ValueError, match=r"train_batch_size=60\) does not split .* use train_batch_size 64\."):
+    with pytest.raises(
+        ValueError,
+        match=r"train_batch_size=60\) does not split into grad_accum_steps=8 .* use train_batch_size 56 or 64\.",
+    ):
         ex.RunConfig(train_batch_size=60, grad_accum_steps=8)
     with pytest.raises(ValueError, match=r"grad_accum_steps=0\) must be a positive integer"):
         ex.RunConfig(grad_accum_steps=0)

@@ -1,7 +1,14 @@
+import os
+import subprocess
+import sys
+
 import pytest
+from jax.sharding import PartitionSpec as P
 from models import blobs, estimator
 
 import estimax as ex
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_batch_size_must_divide_the_devices():
@@ -23,6 +30,27 @@ def test_batch_size_must_divide_the_devices():
 def test_config_values_are_validated(field, value, message):
     with pytest.raises(ValueError, match=rf"{field}=.*{message}"):
         ex.RunConfig(**{field: value})
+
+
+def test_config_imports_no_jax_and_no_writers():
+    """Settings only: a RunConfig is built and checked without JAX, so the command line checks its flags without it."""
+    code = (
+        "import sys, estimax.config as c; c.RunConfig(mesh={'data': 2}, sharding_rules=[('a', ('data',))]); "
+        "print(sorted(m for m in sys.modules if m == 'jax' or m in ('estimax.layout', 'estimax.trackers')))"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}  # this checkout
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert (done.returncode, done.stdout) == (0, "[]\n"), done.stderr
+
+
+def test_mesh_and_sharding_rules_are_checked_at_run_config():
+    assert ex.RunConfig(sharding_rules=[("a/.*", P("data", None))]).sharding_rules == (("a/.*", ("data", None)),)
+    with pytest.raises(TypeError, match=r"RunConfig\(mesh=...\) has axis name 3; expected a non-empty string"):
+        ex.RunConfig(mesh={3: 2})
+    with pytest.raises(ValueError, match=r"sharding_rules=...\)\[0\]: '\(' is not a regex"):
+        ex.RunConfig(sharding_rules=[("(", ("data",))])
+    with pytest.raises(ValueError, match=r"compute_dtype='int8'\) is not a supported compute dtype"):
+        ex.RunConfig(compute_dtype="int8")
 
 
 def test_more_devices_than_available():

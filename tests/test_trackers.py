@@ -1,5 +1,6 @@
 """Experiment trackers: a run read back with MLflow's own client from a local store."""
 
+import importlib.util
 import json
 import os
 
@@ -54,7 +55,7 @@ def test_tracker_settings_are_checked():
         ex.RunConfig(trackers=("neptune",))
     with pytest.raises(TypeError, match=r"received 3; expected 'mlflow', 'mlflow=URI'"):
         ex.RunConfig(trackers=(3,))
-    if trackers.importlib.util.find_spec("mlflow") is not None:
+    if importlib.util.find_spec("mlflow") is not None:
         assert ex.RunConfig(trackers="mlflow=http://localhost:5000").trackers == (
             trackers.MLflow("http://localhost:5000"),
         )

@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from estimax.config import LOOP_KINDS
+from estimax.tracker_kinds import TRACKERS
+
 TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 TRAIN = ("train",)
 
@@ -48,8 +51,6 @@ def step_range(text: str) -> tuple[int, int]:
 
 def tracker(text: str) -> str:
     """``mlflow`` or ``mlflow=URI`` (``TRACKERS``)."""
-    from estimax.trackers import TRACKERS
-
     if text.partition("=")[0] not in TRACKERS:
         raise argparse.ArgumentTypeError(
             f"received {text!r}; expected one of {', '.join(TRACKERS)}, e.g. mlflow=http://host:5000"
@@ -100,7 +101,7 @@ RUN_FLAGS = (
     RunFlag("seed", "initialisation, dropout and shuffling seed", {"type": non_negative_int}),
     RunFlag("mesh", "device mesh, e.g. data=4,model=2 (-1: the rest)", {"type": mesh_axes}),
     RunFlag("steps_per_loop", "training steps per host round trip", {"type": positive_int}, TRAIN),
-    RunFlag("loop", "device loop mode", {"choices": ("auto", "scan", "step")}, TRAIN),
+    RunFlag("loop", "device loop mode", {"choices": LOOP_KINDS}, TRAIN),
     RunFlag("log_every_steps", "a train log line every N steps", {"type": positive_int}, TRAIN, ("log_every",)),
     RunFlag("grad_accum_steps", "micro-batches per step (accumulated)", {"type": positive_int}, TRAIN, ("grad_accum",)),
     RunFlag("profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),

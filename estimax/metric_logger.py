@@ -43,6 +43,8 @@ class MetricLogger(Hook):
     ``tokens_per_sec`` where ``tokens_per_example`` is declared.
     """
 
+    may_stop = False  # it only observes: training dispatches the next loop before it reads the last
+
     def __init__(
         self,
         writers: list[Writer],
@@ -138,16 +140,3 @@ class MetricLogger(Hook):
     def _write(writers: list[Writer], split: str, step: int, values: dict) -> None:
         for writer in writers:
             writer.write(split, step, values)
-
-
-def ensure_console() -> None:
-    """Shows estimax's INFO lines on the console unless the application set up the
-    ``estimax`` logger itself (absl, pulled in by Orbax, claims the root logger)."""
-    if logger.handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s estimax  %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
-    if logger.level == logging.NOTSET:  # distributed.initialize quiets processes other than 0
-        logger.setLevel(logging.INFO)
-    logger.propagate = False

@@ -1,0 +1,105 @@
+"""What an Estimator is made of, built once from its arguments.
+
+Owns the wiring of an Estimator's parts, each built from the ones before it:
+the mesh, the model's pure functions (``step.Core``) and the state's abstract
+shapes, where every array lives (``layout.py``), the run directory, the
+current state, the input plan, the checks of each mode, the evaluator, the
+writers and the trainer. Each part makes its own decisions; nothing is decided
+here. The verbs that use the parts are ``estimator.py``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import optax
+
+from estimax import accumulation, compile_cache, resize, run_setup, validation
+from estimax import checkpoint as checkpoint_lib
+from estimax import layout as layout_lib
+from estimax import mesh as mesh_lib
+from estimax.call_writers import CallWriters
+from estimax.current_state import CurrentState
+from estimax.data.plan import Plan
+from estimax.distributed import Sync
+from estimax.evaluator import Evaluator
+from estimax.models import resolve as resolve_model
+from estimax.run_dir import open_run_dir
+from estimax.step import Core
+from estimax.trainer import Trainer
+from estimax.writers import ensure_console
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """An Estimator's parts (see the module's docstring)."""
+
+    mesh: jax.sharding.Mesh
+    core: Core
+    layout: layout_lib.Layout
+    run_dir: object  # a RunDir, or a NoRunDir without model_dir
+    current: CurrentState
+    plan: Plan
+    checks: validation.ModeChecks
+    evaluator: Evaluator
+    writers: CallWriters
+    trainer: Trainer
+    state_shapes: Callable  # () -> the TrainState as ShapeDtypeStructs with their shardings: nothing allocated
+
+
+def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Parts:
+    """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start)``; the
+    arguments are checked already."""
+    if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
+    compile_cache.enable(config.compilation_cache)
+    mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
+    setup = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(mesh))
+    with jax.set_mesh(mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
+        adapter = resolve_model(model, params, config.seed)
+        core = Core(
+            adapter,
+            model_fn,
+            optimizer,
+            params,
+            config.seed,
+            config.compute_dtype,
+            config.grad_accum_steps,
+            measure_every_step=config.skip_nonfinite,  # every skipped update is counted
+        )
+        abstract_state = jax.eval_shape(core.init_state)  # shapes only: traced once
+    layout = layout_lib.build(mesh, abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes)
+    sync = Sync(config.sync_timeout_seconds)
+    run_dir = open_run_dir(config.model_dir, config.checkpoint, setup)
+    shapes = functools.partial(_state_shapes, abstract_state, layout)  # the target of every restore
+    current = CurrentState(run_dir, shapes, functools.partial(_initialise, core, layout), warm_start, setup)
+    plan = Plan(config, layout, sync)
+    accumulation.warn_if_multisteps(abstract_state.opt_state)
+    writers = CallWriters(config, run_dir, params, mesh.size)
+    parts = Parts(
+        mesh=mesh,
+        core=core,
+        layout=layout,
+        run_dir=run_dir,
+        current=current,
+        plan=plan,
+        checks=validation.ModeChecks(core, abstract_state, plan),
+        evaluator=Evaluator(core, layout, plan, config.quiet),
+        writers=writers,
+        trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
+        state_shapes=shapes,
+    )
+    ensure_console()
+    return parts
+
+
+def _state_shapes(abstract_state, layout):
+    return checkpoint_lib.abstract_like(abstract_state, layout.state)
+
+
+def _initialise(core: Core, layout: layout_lib.Layout):
+    with jax.set_mesh(layout.mesh):  # each array is created in its shards: never whole on one device
+        return jax.jit(core.init_state, out_shardings=layout.state)()

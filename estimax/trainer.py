@@ -1,0 +1,141 @@
+"""Trainer: each ``train`` / ``train_and_evaluate`` call of an Estimator, wired around its host loop.
+
+Owns what a call sets up and takes down around the ``TrainingLoop`` (``training.py``): the
+run directory held for writing, the steps to train, the refusal of an input that cannot
+continue (before any writer opens), the device loop's runner (built at the first call, kept
+for the next ones), the writers and built-in hooks (``call_writers.py``), the profiler, the
+evaluations of ``train_and_evaluate`` with their best checkpoint and early stopping, and what
+is closed when training fails. Does not own the order of events between loops
+(``training.py``), which state is current (``current_state.py``), nor batch sizes and input
+positions (``data/plan.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import jax
+
+from estimax import layout as layout_lib
+from estimax import mesh as mesh_lib
+from estimax import resize, validation
+from estimax.call_writers import CallWriters
+from estimax.config import Best
+from estimax.data import feed
+from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.loop import TrainRunner
+from estimax.profiling import Profiler
+from estimax.spec import EVAL, PREDICT, TRAIN
+from estimax.state import leaf_names
+from estimax.training import Evaluation, TrainingLoop
+
+logger = logging.getLogger("estimax")
+
+
+class Trainer:
+    """Trains one Estimator's current state.
+
+    Args:
+      config: the ``RunConfig``.
+      core, layout, abstract_state: the model's pure functions, where its arrays live, and the
+        state's shapes (for the names of its parameters).
+      plan: the input ``Plan``; run_dir: the ``RunDir`` (or ``NoRunDir``); current: the ``CurrentState``.
+      sync: the group's ``Sync``; writers: the Estimator's ``CallWriters``.
+      shape: the processes, devices and mesh this run trains on (``resize.shape``).
+    """
+
+    def __init__(self, config, core, layout, abstract_state, plan, run_dir, current, sync, writers, shape):
+        self.config, self.core, self.layout, self.plan = config, core, layout, plan
+        self.run_dir, self.current, self.sync, self.shape = run_dir, current, sync, shape
+        self.writers: CallWriters = writers
+        self.param_names = leaf_names(abstract_state.params)
+        self.runner: TrainRunner | None = None  # compiled at the first call, kept for the next ones
+
+    def hooks(self, hooks: Sequence[Hook], best: Best | None = None) -> list[Hook]:
+        """The user's hooks, checked, then early stopping where ``best`` has a patience."""
+        hooks = validation.check_hooks(hooks)
+        if best is not None and best.patience is not None:
+            hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
+        return hooks
+
+    def evaluation(self, run: Callable, every_steps: int, best: Best | None) -> Evaluation:
+        """Evaluations by ``run(state, should_stop)`` during training; the best one's checkpoint kept
+        in ``<model_dir>/best`` where ``best`` asks for it."""
+        keep = best is not None and best.keep_checkpoint
+        return Evaluation(
+            run=run,
+            every_steps=every_steps,
+            best=self.run_dir.best(best.metric, best.direction) if keep else None,
+            best_metric=best.metric if keep else None,
+        )
+
+    def train(
+        self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None
+    ) -> TrainingLoop | None:
+        """Trains over ``input`` for ``lengths`` (``(max_steps, steps, epochs)``, one of them set);
+        returns the loop that ran, or ``None`` when the state is already at the target step."""
+        hooks = validation.check_hooks(hooks)
+        self.plan.check(TRAIN, EVAL, PREDICT)
+        with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
+            return self._train(input, lengths, hooks, evaluation)
+
+    def _train(self, input, lengths: tuple, hooks: list[Hook], evaluation: Evaluation | None):
+        state = self.current.current()
+        if jax.process_count() > 1:
+            self.sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
+            self.run_dir.checkpoints.refresh()
+        start = self.current.step
+        target, per_epoch = self.plan.target_step(start, *lengths, input)
+        if start >= target:
+            logger.info("Already at step %d >= %d: nothing to train.", start, target)
+            return None
+        restored = self.current.restored if self.current.origin == "restored" else None
+        resized = resize.resumed(self.plan, input, restored, self.shape, start, self.run_dir.records)
+        # Before any writer opens: an input that cannot continue from here is refused with nothing written.
+        chunks = self.plan.train_chunks(input, start, target, self.current.input_state)
+        self._log_start(start, target)
+        runner = self._runner(start)
+        writers = self.writers.writers(continuing_from=start)
+        if resized is not None:
+            for writer in writers:
+                writer.write("resize", start, resized)
+        metric_logger = self.writers.metric_logger(writers)
+        loop = TrainingLoop(
+            runner, self.run_dir.checkpoints, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
+            skip_nonfinite=self.config.skip_nonfinite, sync=self.sync, saved_position=self.plan.saved_position,
+            profiler=Profiler(self.config.profile_steps, self.run_dir.profile_dir, start, target),
+            fence=self.run_dir.fence,
+        )  # fmt: skip
+        info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url)
+        with feed.Prefetch(chunks) as chunks:
+            try:
+                loop.run(state, info, chunks, self.current.publish, evaluation)
+            except BaseException:
+                metric_logger.close(raise_errors=False)  # its writers keep what they hold; the error in flight goes on
+                raise
+        if self.current.step < target and not loop.stopped:
+            logger.info("Input ran out at step %d (before %d).", self.current.step, target)
+        if resized is not None and (cost := resize.totals(self.run_dir.records, self.current.step)):
+            logger.info("%s", cost)
+        return loop
+
+    def _runner(self, start: int) -> TrainRunner:
+        """The device loop's runner, built once; a restored checkpoint's loop mode carries on."""
+        if self.runner is None:
+            self.runner = TrainRunner(self.core, self.layout, self.config.loop, self.config.steps_per_loop)
+        if self.current.loop is not None:
+            self.runner.resume(self.current.loop, start)
+        return self.runner
+
+    def _log_start(self, start: int, target: int) -> None:
+        logger.info(
+            "Training steps %d -> %d: global batch %d on %d devices (mesh %s), %d steps per loop, state %s per device",
+            start,
+            target,
+            self.config.train_batch_size,
+            self.layout.mesh.size,
+            mesh_lib.describe(self.layout.mesh),
+            self.config.steps_per_loop,
+            layout_lib.format_bytes(self.layout.plan.totals["total"]),
+        )
