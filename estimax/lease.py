@@ -321,7 +321,8 @@ class LeaseLock:
     def check(self) -> None:
         """Returns while this process provably holds the lease (or holds none: a reader); raises
         ``LeaseLostError`` or ``StoreUnavailableError`` once it cannot prove it. Past its proof (it
-        was paused) it waits for the renewal thread's verdict, at most two calls to the store."""
+        was paused; a holder that names its run: after any pause of ``PAUSE_SECONDS``) it waits for
+        the renewal thread's verdict, at most two calls to the store."""
         if not self.held:
             return
         with self._changed:

@@ -213,8 +213,7 @@ def superseded(model_dir: str, holder: dict) -> ModelDirLockedError:
     return ModelDirLockedError(
         f"model_dir {model_dir} is being written by a later attempt of this process's run "
         f"({RUN_ID}={holder['run']}): {describe(holder)}; this process started before it. Expected one writer "
-        "per model_dir: the latest attempt of a run. Fix: none needed: the later attempt carries the run on; "
-        "stop this process."
+        "per model_dir: the latest attempt of a run. Fix: none needed: the later attempt carries the run on."
     )
 
 
@@ -230,8 +229,7 @@ def taken_over(model_dir: str, path: str, taker: dict | None, record: dict, step
     return LeaseLostError(
         f"model_dir {model_dir}: a later attempt of this process's run ({RUN_ID}={record['run']}) took over the "
         f"lock {path}: {describe(taker)}. This process stopped writing; the later attempt carries the run on "
-        f"from its last committed checkpoint ({'none' if step is None else f'step {step}'}). Fix: none needed: "
-        "stop this process."
+        f"from its last committed checkpoint ({'none' if step is None else f'step {step}'}). Fix: none needed."
     )
 
 
