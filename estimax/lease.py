@@ -19,6 +19,13 @@ under way was cut off), ``StoreUnavailableError``. When the process is still
 running ``L/4`` after that verdict (blocked in a write to a store that does not
 answer), the lease ends it: one line and exit code 74.
 
+A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``)
+takes over at once a lease that an earlier attempt of its run holds, by
+replacing exactly the version it read: of two later attempts, one wins. As a
+lease can then be taken over before it expires, such a holder also watches
+for pauses of its own (a gap of ``PAUSE_SECONDS`` in a thread that ticks):
+after one, it writes nothing until a renewal proves the lease still its own.
+
 Taking and releasing the lock retry for ``deadline_seconds``, with a warning
 per retry. A lock object that holds no lease record is reported with what it
 holds and how to delete it. Does not own the lock on a disk (``lock.py``) nor
@@ -45,13 +52,29 @@ from estimax.errors import (
     StoreUnavailableError,
     one_line,
 )
-from estimax.lock import LOCK_FILE, Lock, describe, holder_record, is_stale
+from estimax.lock import (
+    LOCK_FILE,
+    RUN_ID,
+    Lock,
+    continues,
+    describe,
+    holder_record,
+    is_stale,
+    resume,
+    superseded,
+    taken_over,
+)
 from estimax.storage import DEADLINE_SECONDS, seconds_from_environment, unanswered
 
 logger = logging.getLogger("estimax")
 
 LEASE_SECONDS = "ESTIMAX_LEASE_SECONDS"
 """The environment variable that sets the lease time (default 60 s)."""
+
+PAUSE_SECONDS = 1.0
+"""A holder that names its run renews before writing again after a pause this long (SIGSTOP, a frozen VM,
+a starved process): meanwhile a later attempt of its run may have taken the lease over."""
+_TICK_SECONDS = 0.1  # how often the pause watcher looks at the clock
 
 
 class LeaseLock:
@@ -73,9 +96,13 @@ class LeaseLock:
         self._record: dict = {}
         self._version: str | None = None
         self._proven_until = 0.0  # monotonic: this process may write until then
+        self._proof_started = 0.0  # monotonic: the start of the renewal that proved it last
+        self._ticked = 0.0  # monotonic: the pause watcher's last look at the clock
+        self._paused_at = float("-inf")  # monotonic: when the watcher last noticed a pause
         self._lost: StorageError | ModelDirLockedError | None = None
         self._changed = threading.Condition()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # one per hold: the threads of a hold end with it
+        self._wake = threading.Event()  # renew now
         self._keeper: threading.Thread | None = None
 
     @property
@@ -88,11 +115,13 @@ class LeaseLock:
         return 0.75 * self.lease_seconds
 
     # -- taking ------------------------------------------------------------------
-    def acquire(self) -> LeaseLock:
+    def acquire(self, training: bool = False) -> LeaseLock:
+        """Takes the lease; ``training``: this process names its run (``ESTIMAX_RUN_ID``), so that it takes
+        over an earlier attempt's lease at once and a later attempt takes over its own (readers never do)."""
         if self.held:
             return self
         self._object = self._object or open_object(self.path)
-        self._record = {**holder_record(), "lease_seconds": self.lease_seconds}
+        self._record = {**holder_record(training), "lease_seconds": self.lease_seconds}
         began = time.monotonic()
         while True:
             try:
@@ -121,9 +150,12 @@ class LeaseLock:
         if found is None:
             return False  # released in between
         holder = parse(found[0], self.path)
+        if continues(holder, self._record):
+            raise superseded(self.model_dir, holder)
         age = time.time() - holder["renewed_at"]
         gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
-        if age <= holder["lease_seconds"] and not gone:
+        earlier = continues(self._record, holder)  # an earlier attempt of this run: over, or it stops
+        if age <= holder["lease_seconds"] and not gone and not earlier:
             raise ModelDirLockedError(
                 f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
                 f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
@@ -133,7 +165,13 @@ class LeaseLock:
             )
         started = time.monotonic()
         self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
-        reason = "its holder is gone" if gone else f"its lease expired {age - holder['lease_seconds']:.0f} s ago"
+        reason = (
+            f"it is held by an earlier attempt of this run ({RUN_ID}={holder['run']})"
+            if earlier
+            else "its holder is gone"
+            if gone
+            else f"its lease expired {age - holder['lease_seconds']:.0f} s ago"
+        )
         logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
         return True
 
@@ -160,16 +198,53 @@ class LeaseLock:
 
     # -- keeping -----------------------------------------------------------------
     def _hold(self, version: str, started: float) -> None:
-        self._version, self._proven_until, self._lost = version, started + self._writable_seconds, None
+        self._version, self._lost = version, None
+        self._proof_started, self._proven_until = started, started + self._writable_seconds
+        self._ticked, self._paused_at = time.monotonic(), float("-inf")
         self.held = True
-        self._stop.clear()
-        self._keeper = threading.Thread(target=self._keep, name="estimax-lease", daemon=True)
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._keeper = threading.Thread(target=self._keep, args=(self._stop, self._wake), name="estimax-lease",
+                                        daemon=True)  # fmt: skip
         self._keeper.start()
+        if self._watches_pauses:
+            threading.Thread(target=self._watch_pauses, args=(self._stop,), name="estimax-lease-pauses",
+                             daemon=True).start()  # fmt: skip
 
-    def _keep(self) -> None:
-        """Renews the lease every L/4 (at once after a failure) until released or lost."""
+    @property
+    def _watches_pauses(self) -> bool:
+        """Whether a later attempt of this holder's run may take the lease over before it expires."""
+        return "run" in self._record
+
+    def _watch_pauses(self, stop: threading.Event) -> None:
+        """Notices that this process was paused (a gap between two looks at the clock) and asks for a
+        renewal: until one that began after the pause succeeds, ``check()`` lets nothing be written."""
+        last = time.monotonic()
+        while not stop.wait(_TICK_SECONDS):
+            now = time.monotonic()
+            with self._changed:
+                if now - last > PAUSE_SECONDS:
+                    self._paused_at = now
+                    self._wake.set()
+                self._ticked = now
+            last = now
+
+    def _proven(self, now: float) -> bool:
+        """Whether this process may write at ``now`` (monotonic); called holding ``_changed``."""
+        if now >= self._proven_until:
+            return False
+        if not self._watches_pauses:
+            return True
+        # A stale tick: the watcher has not run since a pause (it is about to notice it).
+        return now - self._ticked <= PAUSE_SECONDS and self._proof_started > self._paused_at
+
+    def _keep(self, stop: threading.Event, wake: threading.Event) -> None:
+        """Renews the lease every L/4 (at once after a failure or a pause) until released or lost."""
         pause = self._call_seconds
-        while not self._stop.wait(pause):
+        while True:
+            wake.wait(pause)
+            wake.clear()
+            if stop.is_set():
+                return
             started = time.monotonic()
             try:
                 version = self._object.replace(self._encoded(), self._version, self._call_seconds)
@@ -194,23 +269,28 @@ class LeaseLock:
                         "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
                         self.path, started - self._proven_until,
                     )  # fmt: skip
-                self._version, self._proven_until = version, started + self._writable_seconds
+                self._version = version
+                self._proof_started, self._proven_until = started, started + self._writable_seconds
                 self._changed.notify_all()
             pause = self._call_seconds
 
     def _lose(self, error: StorageError | ModelDirLockedError) -> None:
+        stop = self._stop
         with self._changed:
             self._lost = error
             self._changed.notify_all()
         # Writes that are under way may be stuck on a store that does not answer: end the process.
-        if not self._stop.wait(self._call_seconds):
+        if not stop.wait(self._call_seconds):
             print(f"estimax: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
             os._exit(STORE_FAILURE_EXIT_CODE)
 
     def _taken_over(self) -> LeaseLostError:
         try:
             found = self._object.read(self._call_seconds)
-            taker = describe(parse(found[0], self.path)) if found else "nobody holds it now (it was deleted)"
+            holder = parse(found[0], self.path) if found else None
+            if holder is not None and continues(holder, self._record):
+                return taken_over(self.model_dir, self.path, holder, self._record, self.committed_step())
+            taker = describe(holder) if holder else "nobody holds it now (it was deleted)"
         except Exception as error:  # noqa: BLE001 - the loss is what matters; who took it is a detail
             taker = f"unknown (reading the lock failed: {one_line(error)})"
         return LeaseLostError(
@@ -232,8 +312,7 @@ class LeaseLock:
         return f"none needed: the next run takes the lock over once its lease expires ({self.lease_seconds:g} s)"
 
     def _resume(self) -> str:
-        step = self.committed_step()
-        return "no checkpoint was saved: training starts over" if step is None else f"resume from step {step}"
+        return resume(self.committed_step())
 
     def _encoded(self) -> bytes:
         return json.dumps({**self._record, "renewed_at": time.time()}).encode()
@@ -242,16 +321,17 @@ class LeaseLock:
     def check(self) -> None:
         """Returns while this process provably holds the lease (or holds none: a reader); raises
         ``LeaseLostError`` or ``StoreUnavailableError`` once it cannot prove it. Past its proof (it
-        was paused) it waits for the renewal thread's verdict, at most two calls to the store."""
+        was paused; a holder that names its run: after any pause of ``PAUSE_SECONDS``) it waits for
+        the renewal thread's verdict, at most two calls to the store."""
         if not self.held:
             return
         with self._changed:
-            if self._lost is None and time.monotonic() >= self._proven_until:
+            if self._lost is None and not self._proven(time.monotonic()):
                 self._changed.wait_for(
-                    lambda: self._lost is not None or time.monotonic() < self._proven_until, 2 * self._call_seconds + 1
+                    lambda: self._lost is not None or self._proven(time.monotonic()), 2 * self._call_seconds + 1
                 )
             lost = self._lost
-            if lost is None and time.monotonic() >= self._proven_until:
+            if lost is None and not self._proven(time.monotonic()):
                 lost = self._unreachable(TimeoutError("no verdict from the renewal"))
         if lost is not None:
             raise type(lost)(str(lost))
@@ -272,6 +352,7 @@ class LeaseLock:
             return
         self.held = False
         self._stop.set()
+        self._wake.set()
         if self._keeper is not None:
             self._keeper.join(self._call_seconds + 1)
         if self._lost is not None:

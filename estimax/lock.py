@@ -12,6 +12,15 @@ process id, the process's start time and its command line.
   by conditional writes; a pid on another host cannot be checked, so a lease
   not renewed for its lease time means the holder is gone.
 
+A training process may name the run it belongs to (``ESTIMAX_RUN_ID``, the
+same across the run's restarts; ``estimax.ray.initialize()`` sets it to Ray
+Train's run): its record then carries the run and when its process started,
+and a later attempt of the same run takes the lock over at once, on a disk or
+a bucket, without waiting for the earlier attempt to be found gone. The
+earlier attempt, if it still runs, finds the lock taken before it writes
+again (``check()``) and stops; an earlier attempt never takes a later one's
+lock.
+
 Readers (evaluating, predicting or exporting another run's checkpoints) take
 no lock. Does not own who takes it (``RunDir.writing`` in ``run_dir.py``:
 process 0 for the group, around each training call), which lock a model_dir
@@ -29,13 +38,18 @@ import shlex
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 from estimax import storage
-from estimax.errors import ModelDirLockedError, ModelDirNotWritableError
+from estimax.errors import LeaseLostError, ModelDirLockedError, ModelDirNotWritableError
 
 logger = logging.getLogger("estimax")
 
 LOCK_FILE = "estimax.lock"
+
+RUN_ID = "ESTIMAX_RUN_ID"
+"""The environment variable naming the run a training process belongs to, the same across the run's
+restarts (a job scheduler's job id): a later attempt of the run takes the model_dir's lock over at once."""
 
 
 from estimax.errors import ModelDirLocked, ModelDirNotWritable  # noqa: E402,F401  (earlier names)
@@ -48,8 +62,12 @@ class Lock:
         self.model_dir = storage.resolve(model_dir)
         self.path = os.path.join(self.model_dir, LOCK_FILE)
         self.held = False
+        self.committed_step: Callable[[], int | None] = lambda: None  # what a lost lock says to resume from
+        self._record: dict = {}
 
-    def acquire(self) -> Lock:
+    def acquire(self, training: bool = False) -> Lock:
+        """Takes the lock; ``training``: this process names its run (``ESTIMAX_RUN_ID``), so that it takes
+        over an earlier attempt's lock and a later attempt takes over its own (readers never do)."""
         if self.held:
             return self
         try:
@@ -62,31 +80,33 @@ class Lock:
                 "expected a file or nothing. Fix: move that directory out of the model_dir (it is not "
                 "estimax's), or use another model_dir."
             )
-        record = holder_record()
+        record = holder_record(training)
         for _attempt in range(3):
             if self._create(record):
-                self.held = True
-                return self
+                return self._hold(record)
             holder = read_holder(self.path)
             if holder is None:  # released (or half-written) in between: try again
                 _check_not_garbage(self.path, self.model_dir)
                 time.sleep(0.05)
                 continue
-            if not is_stale(holder):
+            if continues(holder, record):
+                raise superseded(self.model_dir, holder)
+            earlier = continues(record, holder)
+            if not earlier and not is_stale(holder):
                 raise ModelDirLockedError(
                     f"model_dir {self.model_dir} is being written by another process: {describe(holder)}. "
                     "Expected one writer per model_dir. Fix: wait for it to finish, stop it, or use another "
                     f"model_dir; if that process is gone (another host), delete {self.path}."
                 )
             if self._take_over(holder):
-                logger.warning(
-                    "Took over the stale lock of model_dir %s: its holder is gone (%s).",
-                    self.model_dir,
-                    describe(holder),
-                )
+                if earlier:
+                    why = f"lock of model_dir {self.model_dir}: it is held by an earlier attempt of this run"
+                    why += f" ({RUN_ID}={holder['run']})"
+                else:
+                    why = f"stale lock of model_dir {self.model_dir}: its holder is gone"
+                logger.warning("Took over the %s (%s).", why, describe(holder))
         if self._create(record):
-            self.held = True
-            return self
+            return self._hold(record)
         raise ModelDirLockedError(f"model_dir {self.model_dir}: could not take the lock {self.path}; try again.")
 
     def release(self) -> None:
@@ -98,10 +118,26 @@ class Lock:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)
 
+    def _hold(self, record: dict) -> Lock:
+        self.held, self._record = True, record
+        return self
+
     def check(self) -> None:
-        """Nothing to prove: a lock file on a disk stays this process's until it is released."""
+        """Raises ``LeaseLostError`` once a later attempt of this process's run took the lock over: only
+        such a holder reads the lock file (a small read at each loop boundary and record); any other lock
+        file stays this process's until it is released."""
+        if not self.held or "run" not in self._record:
+            return
+        holder = read_holder(self.path)
+        if holder != self._record:
+            raise taken_over(self.model_dir, self.path, holder, self._record, self.committed_step())
 
     def writable(self) -> bool:
+        """Whether this process may write under the lock now (``check()`` without the error)."""
+        try:
+            self.check()
+        except ModelDirLockedError:
+            return False
         return True
 
     def __enter__(self) -> Lock:
@@ -144,15 +180,63 @@ class Lock:
         return True
 
 
-def holder_record() -> dict:
-    """Who this process is, as written into the lock file."""
-    return {
+def holder_record(training: bool = False) -> dict:
+    """Who this process is, as written into the lock file; in ``training`` with ``ESTIMAX_RUN_ID`` set,
+    also its run and when its process started (seconds since the epoch): the attempts of a run are ordered
+    by it, every attempt being new processes."""
+    record = {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "process_start": process_start(os.getpid()),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime()),
         "command": shlex.join(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]),
     }
+    run = os.environ.get(RUN_ID, "").strip()
+    if training and run:
+        import psutil
+
+        record.update(run=run, attempt_started=psutil.Process().create_time())
+    return record
+
+
+def continues(record: dict, holder: dict) -> bool:
+    """Whether ``record`` is a later attempt of the run ``holder`` belongs to: the same run, a process
+    started later. It takes the lock over at once; the earlier attempt is over (Ray Train or a job
+    scheduler started the later one) or stops when it finds the lock taken."""
+    run, started = record.get("run"), record.get("attempt_started")
+    before = holder.get("attempt_started")
+    numbers = all(isinstance(t, int | float) and not isinstance(t, bool) for t in (started, before))
+    return bool(run) and holder.get("run") == run and numbers and before < started
+
+
+def superseded(model_dir: str, holder: dict) -> ModelDirLockedError:
+    """The error of a process of an earlier attempt that finds a later attempt of its run holding the lock."""
+    return ModelDirLockedError(
+        f"model_dir {model_dir} is being written by a later attempt of this process's run "
+        f"({RUN_ID}={holder['run']}): {describe(holder)}; this process started before it. Expected one writer "
+        "per model_dir: the latest attempt of a run. Fix: none needed: the later attempt carries the run on."
+    )
+
+
+def taken_over(model_dir: str, path: str, taker: dict | None, record: dict, step: int | None) -> LeaseLostError:
+    """The error of a holder whose lock a later attempt of its run took over (or that was deleted)."""
+    if taker is None or not continues(taker, record):
+        who = describe(taker) if taker else "nobody holds it now (it was deleted)"
+        return LeaseLostError(
+            f"model_dir {model_dir}: another process took over the lock {path} while this one held it: {who}. "
+            f"This process stopped writing; {resume(step)}. Expected one writer per model_dir. Fix: let the "
+            "other process finish, or stop it and run the same command again."
+        )
+    return LeaseLostError(
+        f"model_dir {model_dir}: a later attempt of this process's run ({RUN_ID}={record['run']}) took over the "
+        f"lock {path}: {describe(taker)}. This process stopped writing; the later attempt carries the run on "
+        f"from its last committed checkpoint ({'none' if step is None else f'step {step}'}). Fix: none needed."
+    )
+
+
+def resume(step: int | None) -> str:
+    """Where a run that stopped writing resumes: the step of its last committed checkpoint."""
+    return "no checkpoint was saved: training starts over" if step is None else f"resume from step {step}"
 
 
 def read_holder(path: str) -> dict | None:
@@ -188,8 +272,9 @@ def _check_not_garbage(path: str, model_dir: str) -> None:
 
 
 def describe(holder: dict) -> str:
+    run = f", run {holder['run']}" if holder.get("run") else ""
     return (
-        f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started_at')}, "
+        f"host {holder.get('host')}, pid {holder.get('pid')}, started {holder.get('started_at')}{run}, "
         f"command `{holder.get('command')}`"
     )
 

@@ -7,7 +7,10 @@ node's address and a port free there, sent to every worker with
 ``ray.train.collective.broadcast_from_rank_zero``), and
 ``estimax.distributed.initialize`` joins. Every attempt is a new group of fresh
 processes with a new coordinator, so the same call forms the group again after
-each restart.
+each restart. It also names the run (``ESTIMAX_RUN_ID``, unless set: Ray
+Train's run, its storage path and name, the same for every attempt), so that a
+new attempt takes the model_dir's lock over from the previous one at once
+(``lock.py``).
 
 Does not own supervising the group: Ray Train restarts it on the nodes that
 are left when one is lost, and grows it when nodes come back
@@ -18,8 +21,11 @@ next example (``resize.py``).
 
 from __future__ import annotations
 
+import os
+
 from estimax import distributed
 from estimax.errors import ConfigError
+from estimax.lock import RUN_ID
 
 
 def initialize(timeout_seconds: int = 300) -> bool:
@@ -28,14 +34,15 @@ def initialize(timeout_seconds: int = 300) -> bool:
 
     Call it first in the function given to the trainer (``train_loop_per_worker``), before anything
     touches devices. When JAX's group already exists (Ray's ``JaxTrainer`` forms it on TPUs and
-    GPUs), it does nothing. Needs Ray Train v2: the default of the releases the ``ray`` extra
+    GPUs), it only names the run. Needs Ray Train v2: the default of the releases the ``ray`` extra
     installs; ``RAY_TRAIN_V2_ENABLED=1`` on older ones.
     """
     import jax
 
+    context, collective = _ray_train()
+    os.environ.setdefault(RUN_ID, run_id(context))
     if jax.distributed.is_initialized():
         return True
-    context, collective = _ray_train()
     rank, size = context.get_world_rank(), context.get_world_size()
     if size == 1:
         return distributed.initialize(num_processes=1, timeout_seconds=timeout_seconds)
@@ -46,6 +53,15 @@ def initialize(timeout_seconds: int = 300) -> bool:
         address = f"{ray.util.get_node_ip_address()}:{distributed.free_port()}"
     coordinator = collective.broadcast_from_rank_zero(address)
     return distributed.initialize(coordinator, size, rank, timeout_seconds=timeout_seconds)
+
+
+def run_id(context) -> str:
+    """The run of a Ray Train worker, the same for every attempt: ``ray:`` and where Ray Train keeps the run
+    (its storage path and the run's name, ``RunConfig(name=...)``; a name of its own when none is given)."""
+    try:
+        return f"ray:{context.get_storage().experiment_fs_path}"
+    except Exception:  # noqa: BLE001 - an advanced part of Ray's API: the name alone names the run too
+        return f"ray:{context.get_experiment_name()}"
 
 
 def _ray_train():

@@ -134,7 +134,7 @@ class RunDir:
         outcome = "ok"
         if primary:
             try:
-                self.lock.acquire()
+                self.lock.acquire(training=True)  # names the run (ESTIMAX_RUN_ID): a later attempt takes over
             except (ModelDirLockedError, ModelDirNotWritableError, StorageError) as error:
                 outcome = f"{type(error).__name__}:{error}"
         outcome = sync.share("taking the model_dir lock", outcome)

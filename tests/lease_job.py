@@ -3,11 +3,13 @@
 Trains the tests' MLP, 2 steps per loop, saving every 2 steps without async saves
 (so that no save is under way while it waits). When the loop that reaches
 WAIT_STEP has been read, it prints "waiting at step N" and waits for a line on
-stdin: meanwhile the test pauses it, or takes the store away. The store flush
-intervals of metrics.jsonl and the event files are set past the run, so that
-their records are only held in memory until the end: what the job wrote before
-it waited is known. An estimax error ends it as it ends the ``estimax``
-command: one line, and the error's exit code.
+stdin: meanwhile the test pauses it, or takes the store away. The flush
+intervals of metrics.jsonl on a store and of the event files are set past the
+run, so that their records are only held in memory until the end: what the job
+wrote before it waited is known (on a disk, metrics.jsonl's records are
+appended as they come: the test waits for the last one before it pauses). An
+estimax error ends it as it ends the ``estimax`` command: one line, and the
+error's exit code.
 """
 
 import os
@@ -35,7 +37,7 @@ class WaitAt(ex.Hook):
 
 if __name__ == "__main__":
     model_dir, wait_step, max_steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    JsonlWriter.STORE_FLUSH_SECONDS = TensorBoardWriter.STORE_FLUSH_SECONDS = 3600.0
+    JsonlWriter.STORE_FLUSH_SECONDS = TensorBoardWriter.STORE_FLUSH_SECONDS = TensorBoardWriter.FLUSH_SECONDS = 3600.0
     est = estimator(
         model_dir, steps_per_loop=2, log_every_steps=2, checkpoint=ex.CheckpointPolicy(every_steps=2, async_save=False)
     )

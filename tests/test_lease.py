@@ -1,9 +1,12 @@
 """One writer per model_dir on a bucket, also across a pause: the lease is fenced, every call to the
 store has a deadline, and a lock object that holds no lease says what it holds and how to delete it.
+A later attempt of a run (``ESTIMAX_RUN_ID``) takes the lock over at once, on a bucket and on a disk;
+the earlier attempt, if it still runs, writes nothing more.
 
 Real processes and real signals against the GCS emulator and moto's S3 server on 127.0.0.1:
 ``lease_job.py`` trains on gs:// and is paused (SIGSTOP) past its lease, or loses its store (SIGKILL).
-Lease times are seconds here (``ESTIMAX_LEASE_SECONDS``); a minute by default.
+Lease times are seconds here (``ESTIMAX_LEASE_SECONDS``); a minute by default, as in the tests of
+attempts, where nothing waits for a lease to expire.
 """
 
 import json
@@ -21,7 +24,8 @@ from stores import GCSEmulator
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailableError
-from estimax.lease import LeaseLock
+from estimax.lease import PAUSE_SECONDS, LeaseLock
+from estimax.lock import LOCK_FILE, Lock, holder_record
 
 JOB = os.path.join(os.path.dirname(__file__), "lease_job.py")
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
@@ -108,29 +112,46 @@ def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_proce
 
 
 HOLDER = """
-import sys
-from estimax.lease import LeaseLock
+import socket, sys, time
+from estimax.lease import lock_for
 
-lock = LeaseLock(sys.argv[1]).acquire()
-while True:
-    print("holding", flush=True)
-    sys.stdin.readline()
+if len(sys.argv) > 2:  # as if on another host: the host its record names, where its pid cannot be checked
+    socket.gethostname = lambda: sys.argv[2]
+
+began = time.monotonic()
+try:
+    lock = lock_for(sys.argv[1]).acquire(training=True)
+except Exception as error:
+    print(f"estimax: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+print(f"holding, taken in {time.monotonic() - began:.2f} s", flush=True)
+while sys.stdin.readline() == "go\\n":
     try:
         lock.check()
     except Exception as error:
         print(f"estimax: error: {error}", file=sys.stderr, flush=True)
         lock.release()
         sys.exit(error.exit_code)
+    print("holding", flush=True)
+lock.release()
 """
+
+
+def _holder(url: str, env: dict, *host: str) -> tuple[subprocess.Popen, float]:
+    """A process holding the lock of ``url`` as training does (``HOLDER``; on ``host`` if one is given),
+    and how long taking it took."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, url, *host], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    line = holder.stdout.readline()
+    assert line.startswith("holding, taken in "), (line, holder.communicate())
+    return holder, float(line.split()[3])
 
 
 def test_a_paused_holder_on_s3_goes_on_when_nobody_took_its_lease_and_stops_when_somebody_did(s3):
     url, lease = "s3://bkt/held", 2.0  # gs:// is the trainer's test above
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, url], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env={**os.environ, "ESTIMAX_LEASE_SECONDS": str(lease)},
-    )  # fmt: skip
-    assert holder.stdout.readline() == "holding\n", holder.communicate()
+    holder, _ = _holder(url, {**os.environ, "ESTIMAX_LEASE_SECONDS": str(lease)})
     _pause(holder)
     lock = f"{url}/estimax.lock"
     while time.time() - json.loads(storage.read_bytes(lock))["renewed_at"] <= lease:  # until it has expired
@@ -222,3 +243,140 @@ def test_a_lock_object_that_holds_no_lease_says_what_it_holds_and_how_to_delete_
         LeaseLock(storage.parent(path)).acquire()
     assert str(raised.value).endswith(f"delete it: `{command}`.") and "\n" not in str(raised.value)
     assert storage.read_bytes(path) == content  # left as it was
+
+
+ATTEMPTS = {"ESTIMAX_LEASE_SECONDS": "60"}  # a lease that nothing in these tests waits for
+
+
+def test_a_later_attempt_of_a_run_takes_its_lease_over_at_once_and_other_runs_are_refused(s3, monkeypatch):
+    url = "s3://bkt/attempts"
+    lock = f"{url}/{LOCK_FILE}"
+    env = {**os.environ, **ATTEMPTS, "ESTIMAX_RUN_ID": "job-7"}
+    first, _ = _holder(url, env, "node-b")  # on another host: that it is gone cannot be seen from here
+    first.kill()  # SIGKILL: its lease stands, renewed a moment ago, for another minute
+    first.wait()
+    killed = time.monotonic()
+    for run in ("job-8", ""):  # another run, and none: refused as before, the holder named
+        monkeypatch.setenv("ESTIMAX_RUN_ID", run)
+        held_by = rf"being written by another process: .*pid {first.pid}, started .*, run job-7, command"
+        with pytest.raises(ModelDirLockedError, match=held_by):
+            LeaseLock(url).acquire(training=True)
+    # This process started before the first attempt: as an attempt of job-7, it is an earlier one.
+    monkeypatch.setenv("ESTIMAX_RUN_ID", "job-7")
+    later = (
+        rf"(?s)by a later attempt of this process's run \(ESTIMAX_RUN_ID=job-7\): .*pid {first.pid}, .*started before"
+    )
+    with pytest.raises(ModelDirLockedError, match=later):
+        LeaseLock(url).acquire(training=True)
+    second, taken = _holder(url, env)  # the next attempt: a process started after the first
+    held = time.monotonic() - killed
+    record = json.loads(storage.read_bytes(lock))
+    assert (record["pid"], record["run"]) == (second.pid, "job-7") and taken < 10, (record, taken)
+    _, stderr = second.communicate("\n", timeout=60)  # it releases the lock
+    assert second.returncode == 0 and not storage.exists(lock), stderr
+    took = f"Took over the lock of model_dir {url}: it is held by an earlier attempt of this run (ESTIMAX_RUN_ID=job-7)"
+    assert took in stderr and f"pid {first.pid}" in stderr, stderr
+    print(f"a 60 s lease of a killed attempt taken over by the next in {taken:.2f} s ({held:.1f} s from the kill, "
+          "the new process's start included)")  # fmt: skip
+
+
+def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_writes_nothing(gcs):
+    url = "gs://bkt/next-attempt"
+    env = {**os.environ, **ATTEMPTS, "ESTIMAX_RUN_ID": "job-9"}
+    job = subprocess.Popen([sys.executable, JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert job.stdout.readline().startswith("waiting at step"), job.communicate()
+    _pause(job)
+    paused = time.monotonic()
+    before = _listing(url)
+    second, taken = _holder(url, env)
+    # A pause that it can tell from a busy machine (a shorter one: see PAUSE_SECONDS).
+    time.sleep(max(0.0, paused + 2 * PAUSE_SECONDS - time.monotonic()))
+    stderr, said, exited = _ended(job, _resume(job))
+    lines = _error_lines(stderr)
+    assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
+    took = f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
+    assert took in lines[0] and f"pid {second.pid}" in lines[0], lines[0]
+    assert f"carries the run on from its last committed checkpoint (step {step})" in lines[0], lines[0]
+    assert _listing(url) == before  # nothing written after the pause
+    assert taken < 10  # well within the 60 s lease
+    assert json.loads(storage.read_bytes(f"{url}/{LOCK_FILE}"))["pid"] == second.pid  # its release left it alone
+    second.communicate("\n", timeout=60)
+    print(f"the paused attempt's 60 s lease taken over in {taken:.2f} s; after SIGCONT it said so in {said:.2f} s "
+          f"and exited in {exited:.2f} s")  # fmt: skip
+
+
+def _appended(path: str, step: int, deadline_seconds: float = 60) -> None:
+    """Returns once the train record of ``step`` is in ``path``."""
+    began = time.monotonic()
+    while not any(r["split"] == "train" and r["step"] == step for r in map(json.loads, _lines(path))):
+        assert time.monotonic() - began < deadline_seconds, f"no train record of step {step} in {path}"
+        time.sleep(0.05)
+
+
+def _lines(path: str) -> list[str]:
+    """The whole lines of a file being appended to (none while it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line for line in f if line.endswith("\n")]
+
+
+def _files(directory) -> dict:
+    """Every file under ``directory`` but the lock, with its size and modification time."""
+    return {
+        os.path.relpath(os.path.join(root, name), directory): (os.path.getsize(p), os.path.getmtime(p))
+        for root, _, names in os.walk(directory)
+        for name in names
+        if name != LOCK_FILE and (p := os.path.join(root, name))
+    }
+
+
+def test_on_a_disk_a_later_attempt_takes_a_live_holders_lock_over_and_the_paused_holder_writes_nothing(tmp_path):
+    model_dir = str(tmp_path / "run")
+    env = {**os.environ, "ESTIMAX_RUN_ID": "job-11"}
+    job = subprocess.Popen([sys.executable, JOB, model_dir, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    waiting = job.stdout.readline()
+    assert waiting.startswith("waiting at step"), job.communicate()
+    _appended(os.path.join(model_dir, "metrics.jsonl"), int(waiting.split()[-1]))  # no record is being written
+    _pause(job)  # alive on this host: only a later attempt of its run takes its lock
+    before = _files(model_dir)
+    second, _ = _holder(model_dir, env)
+    stderr, _, _ = _ended(job, _resume(job))
+    lines = _error_lines(stderr)
+    assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert "a later attempt of this process's run (ESTIMAX_RUN_ID=job-11) took over the lock" in lines[0]
+    assert _files(model_dir) == before
+    assert json.loads(storage.read_bytes(os.path.join(model_dir, LOCK_FILE)))["pid"] == second.pid
+    second.communicate("\n", timeout=60)
+
+
+def test_on_a_shared_disk_another_hosts_earlier_attempt_is_taken_over_and_another_run_is_not(
+    tmp_path, monkeypatch, estimax_log
+):
+    model_dir = str(tmp_path / "run")
+    os.makedirs(model_dir)
+    path = os.path.join(model_dir, LOCK_FILE)
+    monkeypatch.setenv("ESTIMAX_RUN_ID", "job-12")
+    mine = holder_record(training=True)
+    earlier = {**mine, "host": "elsewhere", "pid": 4242, "attempt_started": mine["attempt_started"] - 30}
+    for holder, run, refused in [
+        (earlier, "job-13", "being written by another process: host elsewhere"),  # a pid there cannot be checked
+        ({**earlier, "attempt_started": mine["attempt_started"] + 30}, "job-12", "by a later attempt of this process"),
+    ]:
+        with open(path, "w") as f:
+            json.dump(holder, f)
+        monkeypatch.setenv("ESTIMAX_RUN_ID", run)
+        with pytest.raises(ModelDirLockedError, match=refused):
+            Lock(model_dir).acquire(training=True)
+    with open(path, "w") as f:
+        json.dump(earlier, f)
+    monkeypatch.setenv("ESTIMAX_RUN_ID", "job-12")
+    lock = Lock(model_dir).acquire(training=True)
+    assert json.loads(storage.read_bytes(path))["pid"] == os.getpid()
+    assert "it is held by an earlier attempt of this run (ESTIMAX_RUN_ID=job-12) (host elsewhere" in estimax_log.text
+    lock.check()
+    lock.release()
+    assert not os.path.exists(path)

@@ -26,6 +26,7 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
+from estimax import storage
 from estimax.distributed import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray[train]")
@@ -93,6 +94,13 @@ class Lines:
     def text(self) -> str:
         return "".join(self.seen[-200:])
 
+    def rest(self) -> list[str]:
+        """The lines not yet read, once the process has ended."""
+        self.process.wait()
+        lines = list(iter(self._lines.get, None))
+        self.seen.extend(lines)
+        return lines
+
     def kill(self):
         """SIGKILL of the process and everything it started (a node: its raylet and its workers)."""
         try:
@@ -117,8 +125,8 @@ def _train_without_ray(model_dir: str, phases) -> dict:
     return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(est.state().params)}
 
 
-def test_a_ray_run_shrinks_when_a_node_dies_and_grows_when_one_returns(tmp_path):
-    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+def test_a_ray_run_shrinks_when_a_node_dies_and_grows_when_one_returns(tmp_path, gcs):
+    run, out = f"gs://bkt/{tmp_path.name}", str(tmp_path / "out")  # a model_dir every node sees: a bucket
     port = free_port()
     address = f"127.0.0.1:{port}"
     env = _env()
@@ -146,12 +154,20 @@ def test_a_ray_run_shrinks_when_a_node_dies_and_grows_when_one_returns(tmp_path)
         grown = float(job.wait_for(r"step (?:2\d) on 2 workers at ([\d.]+)")[1])
         assert job.process.wait(timeout=300) == 0, job.text()
         seconds = f"node lost -> training on 1 worker: {again - killed:.1f} s; back -> on 2: {grown - returned:.1f} s"
+        job.rest()
     finally:
         for node in reversed(nodes):
             node.kill()
 
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if r["split"] == "resize"]
+    # Each new group's process 0 took the model_dir's lease over at once from the group before, a 60 s lease
+    # renewed moments before: a later attempt of one run, which estimax.ray.initialize named after Ray Train's.
+    ray_run = rf"ESTIMAX_RUN_ID=ray:{re.escape(out)}/ray/[^)]+"
+    took = rf"Took over the lock of model_dir {re.escape(run)}: it is held by an earlier attempt of this run "
+    holders = {m[1] for line in job.seen if (m := re.search(rf"{took}\({ray_run}\) \(host [^,]+, pid (\d+),", line))}
+    assert len(holders) >= 2, job.text()
+
+    lines = storage.read_bytes(f"{run}/metrics.jsonl").splitlines()
+    records = [r for r in map(json.loads, lines) if r["split"] == "resize"]
     resizes = [(r["step"], r["processes_before"], r["processes"]) for r in records]
     assert resizes == [(8, 2, 1), (16, 1, 2)]  # the last committed checkpoints: steps 9-12 and 17-20 redone
     print(f"{seconds}; steps redone as recorded: {[r.get('steps_redone') for r in records]}")
