@@ -13,7 +13,7 @@ import os
 import warnings
 
 from estimax import counting
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.layout import DEFAULT_FSDP_MIN_BYTES, check_mesh_axes, check_rules
 from estimax.precision import check_compute_dtype
 from estimax.trackers import resolve as resolve_trackers
@@ -28,7 +28,7 @@ _UNSET = object()
 
 def _check_positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}({name}={value!r}) must be a positive integer.")
+        raise ConfigError(f"{owner}({name}={value!r}) must be a positive integer.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +61,7 @@ class CheckpointPolicy:
         for name in ("every_seconds", "keep_every_hours"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
+                raise ConfigError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,7 +243,7 @@ class RunConfig:
                 f"train_batch_size {counting.nearest_multiples(self.train_batch_size, multiple)}."
             )
         if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
-            raise ValueError(
+            raise ConfigError(
                 f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."
             )
         for name in ("eval_batch_size", "predict_batch_size", "num_devices", "tokens_per_example"):
@@ -252,17 +252,17 @@ class RunConfig:
         if self.profile_steps is not None:
             start, stop = self.profile_steps
             if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
-                raise ValueError(
+                raise ConfigError(
                     f"RunConfig(profile_steps={self.profile_steps!r}); expected (A, B) with 0 <= A < B, "
                     "e.g. (100, 110)."
                 )
         if self.loop not in LOOP_KINDS:
-            raise ValueError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
+            raise ConfigError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
         check_compute_dtype(self.compute_dtype)
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
         if isinstance(self.fsdp_min_bytes, bool) or not isinstance(self.fsdp_min_bytes, int) or self.fsdp_min_bytes < 0:
-            raise ValueError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
+            raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
@@ -282,7 +282,7 @@ def best_from(best: Best | None, deprecated: dict) -> Best | None:
     arguments meant (deprecated: one release with a warning)."""
     unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
     if unknown:
-        raise TypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
+        raise ConfigTypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
     if not deprecated:
         return best
     if best is not None:

@@ -35,6 +35,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax import mesh as mesh_lib
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.state import TrainState, leaf_names
 
 logger = logging.getLogger("estimax")
@@ -46,20 +47,22 @@ DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, sma
 
 
 def check_mesh_axes(axes) -> dict[str, int] | None:
-    """``RunConfig(mesh=...)`` as a dict, or a ValueError/TypeError naming what is wrong."""
+    """``RunConfig(mesh=...)`` as a dict, or a ConfigError/ConfigTypeError naming what is wrong."""
     if axes is None:
         return None
     if not isinstance(axes, Mapping) or not axes:
-        raise TypeError(f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}.")
+        raise ConfigTypeError(
+            f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}."
+        )
     for name, size in axes.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
+            raise ConfigTypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(
+            raise ConfigError(
                 f"RunConfig(mesh=...) gives axis {name!r} size {size!r}; expected a positive integer or -1 (the rest)."
             )
     if sum(size == -1 for size in axes.values()) > 1:
-        raise ValueError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
+        raise ConfigError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
     return dict(axes)
 
 
@@ -67,21 +70,23 @@ def check_rules(rules) -> tuple[tuple[str, tuple], ...]:
     """``RunConfig(sharding_rules=...)`` as a tuple of ``(regex, spec)``, or an error naming the bad entry."""
     example = "e.g. [(r'.*mlp/up/kernel', ('fsdp', 'model'))]"
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
-        raise TypeError(f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}.")
+        raise ConfigTypeError(
+            f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}."
+        )
     checked = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig(sharding_rules=...)[{i}] is {rule!r}; expected a (regex, spec) pair, {example}."
             )
         pattern, spec = rule
         try:
             re.compile(pattern)
         except re.error as error:
-            raise ValueError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
+            raise ConfigError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
         spec = tuple(spec) if isinstance(spec, tuple | list | P) else spec
         if not isinstance(spec, tuple) or not all(_is_spec_entry(e) for e in spec):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig(sharding_rules=...)[{i}] ({pattern!r}) has spec {spec!r}; expected a tuple with one "
                 "entry per dimension: a mesh axis name, a tuple of names, or None (not sharded)."
             )
@@ -188,7 +193,7 @@ def build(
     unused = [f"{i}: ({p!r}, {s})" for i, ((p, s), hit) in enumerate(zip(rules, used, strict=True)) if not hit]
     if unused:
         names = leaf_names(abstract_state.params) + leaf_names(abstract_state.model_state)
-        raise ValueError(
+        raise ConfigError(
             f"sharding_rules {', '.join(unused)} match no parameter or model state; nothing would be sharded "
             f"by them. The paths are: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}. Fix: "
             "correct the regex (it must match the whole path) or remove the rule."
@@ -253,23 +258,23 @@ def _check_spec(mesh, name: str, leaf, spec: tuple, origin: str) -> None:
     where = f"parameter {name} of shape {shape} gets spec {spec} from {origin}"
     if len(spec) != len(shape):
         example = tuple(spec[: len(shape)]) + (None,) * (len(shape) - len(spec))
-        raise ValueError(
+        raise ConfigError(
             f"The {where}: {len(spec)} entries for {len(shape)} dimensions; expected one entry per dimension "
             f"(None: not sharded). Fix: e.g. {example}, or a regex that does not match {name}."
         )
     axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
     for axis in axes:
         if axis not in mesh.shape:
-            raise ValueError(
+            raise ConfigError(
                 f"The {where}: the mesh has no axis {axis!r}; its axes are {dict(mesh.shape)}. Fix: add "
                 f"{axis!r} to RunConfig(mesh=...) or use one of its axes."
             )
     if len(set(axes)) != len(axes):
-        raise ValueError(f"The {where}: an axis is used twice; expected each mesh axis at most once per parameter.")
+        raise ConfigError(f"The {where}: an axis is used twice; expected each mesh axis at most once per parameter.")
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
         ways = _ways(mesh, entry)
         if size % ways:
-            raise ValueError(
+            raise ConfigError(
                 f"The {where}: dimension {dim} has size {size}, which does not divide over {entry!r} "
                 f"({ways} devices). Fix: shard a dimension that divides by {ways}, resize the mesh axis to a "
                 f"divisor of {size}, or leave this dimension None."

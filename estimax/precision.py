@@ -14,12 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from estimax.errors import ConfigError
+
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def check_compute_dtype(name: str | None) -> None:
     if name is not None and name not in COMPUTE_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"RunConfig(compute_dtype={name!r}) is not a supported compute dtype; expected one of "
             f"{COMPUTE_DTYPES} or None (compute in the parameters' dtype)."
         )

@@ -19,7 +19,7 @@ next example (``resize.py``).
 from __future__ import annotations
 
 from estimax import distributed
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, MissingLibraryError
 
 
 def initialize(timeout_seconds: int = 300) -> bool:
@@ -53,7 +53,7 @@ def _ray_train():
     try:
         import ray.train
     except ImportError:
-        raise ConfigError(
+        raise MissingLibraryError(
             "estimax.ray.initialize() needs Ray Train, which is not installed; expected `import ray.train` to "
             "work. Fix: pip install 'estimax[ray]' (or 'ray[train]')."
         ) from None

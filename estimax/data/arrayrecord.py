@@ -135,7 +135,7 @@ class Records:
     def __getitem__(self, position: int):
         position = int(position)
         if not 0 <= position < len(self):
-            raise IndexError(f"record {position} of {len(self)}")
+            raise IndexError(f"record {position} of {len(self)}")  # the sequence protocol: no user's mistake
         file_number = bisect.bisect_right(self._starts, position) - 1
         name, record = self.names[file_number], position - self._starts[file_number]
         try:
