@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 
-from estimax.errors import ConfigError, ConfigTypeError
+from estimax.errors import ConfigTypeError
 from estimax.models.base import WrappedModel
 from estimax.spec import TRAIN, Mode
 
@@ -31,7 +31,7 @@ def functional_model(init: Callable | None = None, apply: Callable | None = None
         ("apply", apply, "apply(params, features, rng) -> outputs", 3),
     ):
         if fn is None or not callable(fn):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"ex.models.functional({name}={fn!r}) is not a function; expected `{signature}`, {_EXAMPLE}."
             )
         try:
