@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from estimax import errors as _errors  # imports nothing heavy; its kinds are top-level names
+
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run time, imported on first use
@@ -23,14 +25,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.config import Best as Best
     from estimax.config import CheckpointPolicy as CheckpointPolicy
     from estimax.config import RunConfig as RunConfig
-    from estimax.errors import CheckpointError as CheckpointError
-    from estimax.errors import EstimaxError as EstimaxError
-    from estimax.errors import ModelDirLocked as ModelDirLocked
-    from estimax.errors import ModelDirLockedError as ModelDirLockedError
-    from estimax.errors import ModelDirNotWritable as ModelDirNotWritable
-    from estimax.errors import ModelDirNotWritableError as ModelDirNotWritableError
-    from estimax.errors import ModelFnError as ModelFnError
-    from estimax.errors import NonFiniteError as NonFiniteError
+    from estimax.errors import *  # noqa: F403  # every error kind: the names of estimax.errors.__all__
     from estimax.estimator import Estimator as Estimator
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.hooks import EarlyStopping as EarlyStopping
@@ -51,19 +46,12 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
 _SUBMODULES = ("data", "distributed", "errors", "metrics", "models", "serving", "trackers")
 _MOVED = {"task": "estimax.cli.task"}  # old paths, kept for one release with a DeprecationWarning
 _NAMES = {
-    "CheckpointError": "estimax.errors",
-    "EstimaxError": "estimax.errors",
-    "ModelDirLockedError": "estimax.errors",
-    "ModelDirNotWritableError": "estimax.errors",
     "Best": "estimax.config",
     "CheckpointPolicy": "estimax.config",
     "Compiled": "estimax.loop",
     "RunConfig": "estimax.config",
     "Estimator": "estimax.estimator",
     "UntrainedWarning": "estimax.estimator",
-    "ModelFnError": "estimax.errors",
-    "ModelDirLocked": "estimax.errors",
-    "ModelDirNotWritable": "estimax.errors",
     "Interrupted": "estimax.preemption",
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",
@@ -76,8 +64,8 @@ _NAMES = {
     "Mode": "estimax.spec",
     "Spec": "estimax.spec",
     "TrainState": "estimax.state",
-    "NonFiniteError": "estimax.errors",
     "WarmStart": "estimax.warm_start",
+    **dict.fromkeys(_errors.__all__, "estimax.errors"),  # every error kind, as ex.ConfigError
 }
 
 __all__ = sorted([*_NAMES, *_SUBMODULES])

@@ -167,6 +167,7 @@ class Checkpointer:
         ``loop``: the device loop mode the state was trained with, which a resumed ``auto`` run keeps.
         """
         if self.read_only:
+            # a bug in estimax, not a user's mistake: the run directory opens it for writing before any save
             raise RuntimeError(f"Checkpointer of {self.directory} is read-only; open_for_writing() first.")
         if step in self._manager.all_steps():
             return

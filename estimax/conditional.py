@@ -26,7 +26,7 @@ def _bounded(loop, function, *args, timeout: float, **kwargs):
     try:
         return sync(loop, function, *args, timeout=timeout, **kwargs)
     except FSTimeoutError:
-        raise TimeoutError(f"no answer within {timeout:g} s") from None
+        raise TimeoutError(f"no answer within {timeout:g} s") from None  # the lease reads this class as silence
 
 
 class Changed(Exception):

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from estimax import counting
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.tracker_kinds import resolve as resolve_trackers
 
 LOOP_KINDS = ("auto", "scan", "step")
@@ -35,7 +35,7 @@ _UNSET = object()
 
 def _check_positive(owner: str, name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner}({name}={value!r}) must be a positive integer.")
+        raise ConfigError(f"{owner}({name}={value!r}) must be a positive integer.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class CheckpointPolicy:
         for name in ("every_seconds", "keep_every_hours"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ValueError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
+                raise ConfigError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
         if self.max_overhead is not None and not (
             isinstance(self.max_overhead, int | float) and 0 < self.max_overhead < 1
         ):
@@ -267,7 +267,7 @@ class RunConfig:
                 f"{counting.nearest_multiples(self.train_batch_size, self.grad_accum_steps)}."
             )
         if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
-            raise ValueError(
+            raise ConfigError(
                 f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."
             )
         for name in ("eval_batch_size", "predict_batch_size", "num_devices", "tokens_per_example"):
@@ -276,17 +276,17 @@ class RunConfig:
         if self.profile_steps is not None:
             start, stop = self.profile_steps
             if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
-                raise ValueError(
+                raise ConfigError(
                     f"RunConfig(profile_steps={self.profile_steps!r}); expected (A, B) with 0 <= A < B, "
                     "e.g. (100, 110)."
                 )
         if self.loop not in LOOP_KINDS:
-            raise ValueError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
+            raise ConfigError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
         check_compute_dtype(self.compute_dtype)
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
         if isinstance(self.fsdp_min_bytes, bool) or not isinstance(self.fsdp_min_bytes, int) or self.fsdp_min_bytes < 0:
-            raise ValueError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
+            raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
@@ -303,7 +303,7 @@ class RunConfig:
 
 def check_compute_dtype(name: str | None) -> None:
     if name is not None and name not in COMPUTE_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"RunConfig(compute_dtype={name!r}) is not a supported compute dtype; expected one of "
             f"{COMPUTE_DTYPES} or None (compute in the parameters' dtype)."
         )
@@ -314,16 +314,18 @@ def check_mesh_axes(axes) -> dict[str, int] | None:
     if axes is None:
         return None
     if not isinstance(axes, Mapping) or not axes:
-        raise TypeError(f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}.")
+        raise ConfigTypeError(
+            f"RunConfig(mesh={axes!r}); expected a dict axis name -> size, e.g. {{'data': 4, 'model': 2}}."
+        )
     for name, size in axes.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
+            raise ConfigTypeError(f"RunConfig(mesh=...) has axis name {name!r}; expected a non-empty string.")
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
-            raise ValueError(
+            raise ConfigError(
                 f"RunConfig(mesh=...) gives axis {name!r} size {size!r}; expected a positive integer or -1 (the rest)."
             )
     if sum(size == -1 for size in axes.values()) > 1:
-        raise ValueError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
+        raise ConfigError(f"RunConfig(mesh={dict(axes)}) has several -1 axes; expected at most one (the rest).")
     return dict(axes)
 
 
@@ -331,23 +333,25 @@ def check_rules(rules) -> tuple[tuple[str, tuple], ...]:
     """``RunConfig(sharding_rules=...)`` as a tuple of ``(regex, spec)``, or an error naming the bad entry."""
     example = "e.g. [(r'.*mlp/up/kernel', ('fsdp', 'model'))]"
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
-        raise TypeError(f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}.")
+        raise ConfigTypeError(
+            f"RunConfig(sharding_rules={rules!r}); expected a list of (regex, spec) pairs, {example}."
+        )
     # A PartitionSpec exists only once jax.sharding is imported: it is recognised without importing JAX here.
     partition_spec = getattr(sys.modules.get("jax.sharding"), "PartitionSpec", tuple)
     checked = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig(sharding_rules=...)[{i}] is {rule!r}; expected a (regex, spec) pair, {example}."
             )
         pattern, spec = rule
         try:
             re.compile(pattern)
         except re.error as error:
-            raise ValueError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
+            raise ConfigError(f"RunConfig(sharding_rules=...)[{i}]: {pattern!r} is not a regex ({error}).") from None
         spec = tuple(spec) if isinstance(spec, tuple | list | partition_spec) else spec
         if not isinstance(spec, tuple) or not all(_is_spec_entry(e) for e in spec):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig(sharding_rules=...)[{i}] ({pattern!r}) has spec {spec!r}; expected a tuple with one "
                 "entry per dimension: a mesh axis name, a tuple of names, or None (not sharded)."
             )
@@ -366,7 +370,7 @@ def best_from(best: Best | None, deprecated: dict) -> Best | None:
     arguments meant (deprecated: one release with a warning)."""
     unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
     if unknown:
-        raise TypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
+        raise ConfigTypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
     if not deprecated:
         return best
     if best is not None:

@@ -155,7 +155,7 @@ def _int_or_none(env: str, value: int | None) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{env}={text!r} is not an integer; expected e.g. {env}=2.") from None
+        raise ConfigError(f"{env}={text!r} is not an integer; expected e.g. {env}=2.") from None
 
 
 def _tpu_vm() -> bool:

@@ -1,23 +1,83 @@
 """The estimax error family: what estimax raises about the user's input or setup.
 
-Every such error is an ``EstimaxError``; its subclasses say the kind
-(configuration, input, storage, ...). Each also derives from the built-in
-exception that code written before this family caught (``ValueError``,
-``PermissionError``, ...), so ``except ValueError`` keeps working. The command
-line prints any ``EstimaxError`` as one line. Imports nothing heavy: the CLI
-reads it before JAX is imported. Does not own the messages: each raiser
-writes its own (what it received, what it expected, the fix).
+Owns every kind: each error estimax raises for a user's mistake or environment
+is an ``EstimaxError``, and its subclass says the kind (configuration, input,
+storage, ...). Each kind also derives from the built-in exception that code
+written before this family caught (``ValueError``, ``TypeError``,
+``FileNotFoundError``, ``PermissionError``, ...), so ``except ValueError``
+keeps working. A built-in exception raised bare by estimax means a bug in
+estimax itself. The command line prints any ``EstimaxError`` as one line and
+exits with its kind's ``exit_code``. Imports nothing heavy: the CLI reads it
+before JAX is imported. Does not own the messages: each raiser writes its own
+(what it received, what it expected, the fix).
+
+A new error: its kind here (deriving from the built-in a caller would catch),
+the raise site, and a row in the errors guide (docs/guides/errors.md), whose
+list a test walks.
 """
 
 from __future__ import annotations
+
+# Every kind, its earlier names and the exit statuses: each is also a top-level name (``ex.ConfigError``),
+# which estimax/__init__.py takes from this list.
+__all__ = [
+    "EstimaxError",
+    "ConfigError",
+    "ConfigTypeError",
+    "MissingLibraryError",
+    "NotFoundError",
+    "InputError",
+    "InputKindError",
+    "InputNotFoundError",
+    "ModelFnError",
+    "SpecError",
+    "CheckpointError",
+    "StorageError",
+    "StoreUnavailableError",
+    "DistributedError",
+    "SyncTimeoutError",
+    "WriterError",
+    "EvaluationError",
+    "NonFiniteError",
+    "ModelDirLockedError",
+    "LeaseLostError",
+    "ModelDirNotWritableError",
+    "ServingError",
+    "ArtifactError",
+    "ModelDirLocked",
+    "ModelDirNotWritable",
+    "STORE_FAILURE_EXIT_CODE",
+    "USER_ERROR_EXIT_CODE",
+]
+
+USER_ERROR_EXIT_CODE = 2
+"""The exit status of the ``estimax`` command for a mistake in its input or setup, as for a mistake in
+its arguments (argparse's): an ``EstimaxError`` without an exit status of its own."""
 
 
 class EstimaxError(Exception):
     """Base of every error estimax raises about the user's input, configuration or environment."""
 
+    exit_code = USER_ERROR_EXIT_CODE
+    """The ``estimax`` command's exit status when it stops on this kind of error."""
+
 
 class ConfigError(EstimaxError, ValueError):
     """A RunConfig, Estimator or call argument that cannot work."""
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """A setting, argument or function of a type that cannot serve (a function where a Hook is expected,
+    a list where a dict is, a class where a factory is, a host_metrics function that returns no dict)."""
+
+
+class MissingLibraryError(ConfigError, ImportError):
+    """A feature asked for whose optional library is not installed (the error names the extra to install).
+    A store's client library is a ``StorageError``."""
+
+
+class NotFoundError(EstimaxError, FileNotFoundError):
+    """A file or directory the user named that does not exist (a task file, ...)."""
 
 
 class InputError(EstimaxError, ValueError):
@@ -25,11 +85,22 @@ class InputError(EstimaxError, ValueError):
 
 
 class InputKindError(InputError, TypeError):
-    """An input of a kind that cannot serve this use (epochs of an input of unknown size, ...)."""
+    """An input of a kind that cannot serve this use (epochs of an input of unknown size, a PyTorch
+    DataLoader, a batch that is no (features, labels) pair, ...)."""
+
+
+class InputNotFoundError(InputError, NotFoundError):
+    """Input files, a pattern or a data directory that match nothing."""
 
 
 class ModelFnError(EstimaxError, ValueError):
-    """The model_fn failed on the input it received."""
+    """The model_fn failed on the input it received, or returned what cannot work."""
+
+
+class SpecError(ModelFnError, TypeError):
+    """What a model_fn returned cannot work: no ``Spec``, a loss or predictions missing, values of
+    another type or shape than estimax reads (a scalar where padding must be masked, a metric state
+    instead of its inputs, a metric whose ``empty()`` does not fit its states)."""
 
 
 class CheckpointError(EstimaxError, ValueError):
@@ -37,7 +108,9 @@ class CheckpointError(EstimaxError, ValueError):
 
 
 class StorageError(EstimaxError, OSError):
-    """A path or URL that cannot be used: missing client library, credentials, bucket, permission."""
+    """A path or URL that cannot be used: missing client library, credentials, bucket, permission.
+    (An ``OSError``, and so no ``ImportError`` for a missing client library: Python's two cannot be
+    joined in one class.)"""
 
 
 STORE_FAILURE_EXIT_CODE = 74

@@ -21,6 +21,7 @@ from estimax import host_metrics as host_metrics_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled
@@ -61,7 +62,7 @@ class Estimator:
         validation.check_model_fn(model_fn)
         host_metrics_lib.check(host_metrics)
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
                 "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`."
             )
@@ -191,7 +192,7 @@ class Estimator:
                 one release (a ``DeprecationWarning``): they become ``best=Best(...)``.
         """
         if (eval_every_steps is None) == (eval_every_epochs is None):
-            raise ValueError(
+            raise ConfigError(
                 "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
                 f"received {eval_every_steps=}, {eval_every_epochs=}."
             )
@@ -298,7 +299,7 @@ class Estimator:
                 instead (needs ``pip install 'estimax[tf]'``).
         """
         if format not in ("jax", "tf_saved_model"):
-            raise ValueError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
+            raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
         features = self._plan.export_features(example_features)
         state = self._at(checkpoint, "export")
         if format == "tf_saved_model":

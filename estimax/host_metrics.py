@@ -14,6 +14,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from estimax.errors import ConfigError, ConfigTypeError
+
 
 class OutputRows:
     """Collects the valid rows of every batch's outputs; ``rows()`` concatenates them.
@@ -59,13 +61,13 @@ def results(host_metrics: Callable, outputs: dict, taken: dict) -> dict[str, flo
     """``host_metrics(outputs)`` as floats; names already ``taken`` by the device metrics are refused."""
     values = host_metrics(outputs)
     if not isinstance(values, dict):
-        raise TypeError(
+        raise ConfigTypeError(
             f"host_metrics returned {type(values).__name__}; expected a dict name -> float, "
             "e.g. `{'auc': sklearn.metrics.roc_auc_score(o['labels'], o['scores'])}`."
         )
     clashes = sorted(set(values) & set(taken))
     if clashes:
-        raise ValueError(
+        raise ConfigError(
             f"host_metrics returned {clashes}, which the model_fn's metrics already name; expected new names."
         )
     return {name: float(value) for name, value in values.items()}
@@ -73,7 +75,7 @@ def results(host_metrics: Callable, outputs: dict, taken: dict) -> dict[str, flo
 
 def check(host_metrics) -> None:
     if host_metrics is not None and not callable(host_metrics):
-        raise TypeError(
+        raise ConfigTypeError(
             f"host_metrics={host_metrics!r} is not callable; expected `fn(outputs) -> dict[str, float]`, "
             "where outputs holds the Spec(eval_outputs=...) arrays of every example."
         )

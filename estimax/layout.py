@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from estimax import mesh as mesh_lib
 from estimax.config import DEFAULT_FSDP_MIN_BYTES
+from estimax.errors import ConfigError
 from estimax.state import TrainState, leaf_names
 
 logger = logging.getLogger("estimax")
@@ -133,7 +134,7 @@ def build(
     unused = [f"{i}: ({p!r}, {s})" for i, ((p, s), hit) in enumerate(zip(rules, used, strict=True)) if not hit]
     if unused:
         names = leaf_names(abstract_state.params) + leaf_names(abstract_state.model_state)
-        raise ValueError(
+        raise ConfigError(
             f"sharding_rules {', '.join(unused)} match no parameter or model state; nothing would be sharded "
             f"by them. The paths are: {', '.join(names[:40])}{' ...' if len(names) > 40 else ''}. Fix: "
             "correct the regex (it must match the whole path) or remove the rule."
@@ -198,23 +199,23 @@ def _check_spec(mesh, name: str, leaf, spec: tuple, origin: str) -> None:
     where = f"parameter {name} of shape {shape} gets spec {spec} from {origin}"
     if len(spec) != len(shape):
         example = tuple(spec[: len(shape)]) + (None,) * (len(shape) - len(spec))
-        raise ValueError(
+        raise ConfigError(
             f"The {where}: {len(spec)} entries for {len(shape)} dimensions; expected one entry per dimension "
             f"(None: not sharded). Fix: e.g. {example}, or a regex that does not match {name}."
         )
     axes = [a for entry in spec if entry is not None for a in ((entry,) if isinstance(entry, str) else entry)]
     for axis in axes:
         if axis not in mesh.shape:
-            raise ValueError(
+            raise ConfigError(
                 f"The {where}: the mesh has no axis {axis!r}; its axes are {dict(mesh.shape)}. Fix: add "
                 f"{axis!r} to RunConfig(mesh=...) or use one of its axes."
             )
     if len(set(axes)) != len(axes):
-        raise ValueError(f"The {where}: an axis is used twice; expected each mesh axis at most once per parameter.")
+        raise ConfigError(f"The {where}: an axis is used twice; expected each mesh axis at most once per parameter.")
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
         ways = _ways(mesh, entry)
         if size % ways:
-            raise ValueError(
+            raise ConfigError(
                 f"The {where}: dimension {dim} has size {size}, which does not divide over {entry!r} "
                 f"({ways} devices). Fix: shard a dimension that divides by {ways}, resize the mesh axis to a "
                 f"divisor of {size}, or leave this dimension None."

@@ -19,6 +19,7 @@ import numpy as np
 from estimax import flops
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
+from estimax.errors import SpecError
 from estimax.step import eval_states_of
 
 logger = logging.getLogger("estimax")
@@ -235,14 +236,14 @@ class EvalRunner:
             if empty is None:
                 scalars, empty, has_outputs = self._prepare(state, db)
                 if outputs is not None and not has_outputs:
-                    raise ValueError(
+                    raise SpecError(
                         "host_metrics needs per-example arrays on the host, but the model_fn returned no "
                         "Spec(eval_outputs=...) in EVAL mode. Fix: return e.g. "
                         "`ex.Spec(loss=loss, eval_outputs={'scores': probs, 'labels': labels})`."
                     )
                 carry = empty
             if db.padded and scalars:
-                raise ValueError(
+                raise SpecError(
                     f"model_fn returned scalar {scalars} in EVAL mode, but this batch is padded "
                     f"({db.num_valid} valid rows): a scalar would average padding in. Fix: return "
                     "per-example values of shape (batch,) and the engine masks the padding."

@@ -17,6 +17,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from estimax.errors import ConfigError
+
 DATA_AXIS = "data"
 FSDP_AXIS = "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # both split the batch; FSDP also shards the state
@@ -52,13 +54,13 @@ def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     shown = dict(axes)
     if rest:
         if num_devices % known:
-            raise ValueError(
+            raise ConfigError(
                 f"RunConfig(mesh={shown}): the fixed axes take {known} devices, which does not divide the "
                 f"{num_devices} devices; expected a product that divides {num_devices}."
             )
         sizes[rest[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(
+        raise ConfigError(
             f"RunConfig(mesh={shown}) takes {known} devices but there are {num_devices}; expected sizes "
             f"whose product is {num_devices}. Fix: give one axis -1 (the rest of the devices), e.g. data=-1."
         )

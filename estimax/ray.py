@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from estimax import distributed
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, MissingLibraryError
 from estimax.lock import RUN_ID
 
 
@@ -69,7 +69,7 @@ def _ray_train():
     try:
         import ray.train
     except ImportError:
-        raise ConfigError(
+        raise MissingLibraryError(
             "estimax.ray.initialize() needs Ray Train, which is not installed; expected `import ray.train` to "
             "work. Fix: pip install 'estimax[ray]' (or 'ray[train]')."
         ) from None

@@ -16,7 +16,7 @@ import optax
 
 from estimax import accumulation, diagnose, precision
 from estimax import metrics as metrics_lib
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, SpecError
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 
@@ -239,20 +239,20 @@ def _batch_size(batch: Batch) -> int:
 
 
 def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
-    """Raises a TypeError/ValueError naming what a model_fn returned that cannot work."""
+    """Raises a ``SpecError`` naming what a model_fn returned that cannot work."""
     if not isinstance(spec, Spec):
-        raise TypeError(
+        raise SpecError(
             f"model_fn returned {type(spec).__name__} in {mode} mode; expected estimax.Spec, "
             "e.g. `return ex.Spec(loss=per_example_loss, metrics={...})`."
         )
     if mode == TRAIN and spec.loss is None:
-        raise ValueError(
+        raise SpecError(
             "model_fn returned Spec(loss=None) in TRAIN mode; training needs a loss: "
             "`return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))`."
         )
     if mode == PREDICT:
         if spec.predictions is None:
-            raise ValueError(
+            raise SpecError(
                 "model_fn returned Spec(predictions=None) in PREDICT mode; expected an array or "
                 "a dict of arrays with the batch as leading axis, e.g. "
                 "`if mode == ex.PREDICT: return ex.Spec(predictions={'class': logits.argmax(-1)})`."
@@ -260,17 +260,17 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
         for path, leaf in jax.tree_util.tree_leaves_with_path(spec.predictions):
             shape = jnp.shape(leaf)
             if not shape or shape[0] != batch_size:
-                raise ValueError(
+                raise SpecError(
                     f"model_fn prediction {_name(path)} has shape {shape}; expected the batch "
                     f"({batch_size}) as leading axis, one row per example."
                 )
         return spec
     named = {"loss": spec.loss} if spec.loss is not None else {}
     if spec.metrics is not None and not isinstance(spec.metrics, dict):
-        raise TypeError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
+        raise SpecError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
     for key, value in (spec.metrics or {}).items():
         if isinstance(value, metrics_lib.Metric):
-            raise TypeError(
+            raise SpecError(
                 f"Spec(metrics={{{key!r}: {type(value).__name__}(...)}}) is a metric state; expected its inputs "
                 f"of this batch, which the engine masks: `{type(value).__name__}.of(...)`."
             )
@@ -281,7 +281,7 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
     for name, value in named.items():
         shape = jnp.shape(value)
         if shape not in ((), (batch_size,)):
-            raise ValueError(
+            raise SpecError(
                 f"model_fn {name} has shape {shape} in {mode} mode; expected per-example values "
                 f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
                 "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
@@ -289,7 +289,7 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
     check_metric_names(spec.metrics or {}, mode, batch_size)  # once the shapes are known to fit
     if spec.eval_outputs is not None:
         if not isinstance(spec.eval_outputs, dict):
-            raise TypeError(
+            raise SpecError(
                 f"Spec(eval_outputs=...) is {type(spec.eval_outputs).__name__}; expected a dict name -> "
                 "per-example arrays."
             )
@@ -334,7 +334,7 @@ def _check_rows(what: str, tree, batch_size: int, mode: Mode) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         shape = jnp.shape(leaf)
         if not shape or shape[0] != batch_size:
-            raise ValueError(
+            raise SpecError(
                 f"model_fn {what} {jax.tree_util.keystr(path)} has shape {shape} in {mode} mode; expected the "
                 f"batch ({batch_size}) as leading axis, one row per example."
             )

@@ -390,7 +390,7 @@ def check_store(path: str, *, write: bool) -> None:
             fs.pipe_file(probe, b"")
             fs.rm(probe)
         elif not fs.exists(bucket):
-            raise FileNotFoundError(bucket)
+            raise FileNotFoundError(bucket)  # told below as a StorageError naming the bucket
     except StorageError:
         raise
     except Exception as error:  # the clients' own types: google.auth, botocore, aiohttp, OSError

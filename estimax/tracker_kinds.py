@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from estimax import storage
-from estimax.errors import WriterError
+from estimax.errors import ConfigError, ConfigTypeError, MissingLibraryError, WriterError
 
 logger = logging.getLogger("estimax")
 
@@ -72,13 +72,13 @@ def resolve(trackers: Sequence) -> tuple:
         if isinstance(tracker, str):
             name, _, value = tracker.partition("=")
             if name not in TRACKERS:
-                raise ValueError(
+                raise ConfigError(
                     f"RunConfig(trackers=...) received {tracker!r}; expected one of {', '.join(TRACKERS)} "
                     "(optionally mlflow=URI), or estimax.trackers.MLflow(...)."
                 )
             tracker = TRACKERS[name](value) if value else TRACKERS[name]()
         elif not hasattr(tracker, "writer"):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"RunConfig(trackers=...) received {tracker!r}; expected 'mlflow', 'mlflow=URI' or "
                 "estimax.trackers.MLflow(...)."
             )
@@ -86,8 +86,8 @@ def resolve(trackers: Sequence) -> tuple:
     return tuple(resolved)
 
 
-def _missing(library: str, extra: str) -> ImportError:
-    return ImportError(
+def _missing(library: str, extra: str) -> MissingLibraryError:
+    return MissingLibraryError(
         f"RunConfig(trackers=...) names {extra}, whose library {library} is not installed. "
         f"Fix: pip install 'estimax[{extra}]', or leave {extra} out of the trackers."
     )

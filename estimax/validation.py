@@ -24,21 +24,21 @@ from estimax import metrics as metrics_lib
 from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
-from estimax.errors import ModelFnError
+from estimax.errors import ConfigError, ConfigTypeError, SpecError
 from estimax.hooks import EarlyStopping, Hook
 from estimax.spec import EVAL, PREDICT, TRAIN
 
 
 def check_hooks(hooks) -> list[Hook]:
-    """``hooks`` as a list, or a ``TypeError`` naming the one that is not an ``estimax.hooks.Hook``."""
+    """``hooks`` as a list, or a ``ConfigTypeError`` naming the one that is not an ``estimax.hooks.Hook``."""
     if isinstance(hooks, Hook):
-        raise TypeError(
+        raise ConfigTypeError(
             f"hooks={hooks!r} is one Hook; expected a list of them. Fix: hooks=[{type(hooks).__name__}(...)]."
         )
     hooks = list(hooks)
     for i, hook in enumerate(hooks):
         if not isinstance(hook, Hook):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"hooks[{i}] is {type(hook).__name__} ({hook!r}); expected an estimax.hooks.Hook. Fix: subclass "
                 "Hook and override begin/after_loop/after_eval/end (a plain function is not called)."
             )
@@ -64,7 +64,7 @@ def check_metric_names(used: dict[str, str], names: list[str]) -> None:
     unknown = {m: who for m, who in used.items() if m not in names}
     if unknown:
         who = ", ".join(unknown.values())
-        raise ValueError(
+        raise ConfigError(
             f"{who}: not among the evaluation's metrics {names}; expected one of them (the loss and the "
             "names of Spec(metrics=...) in EVAL mode). Fix: correct the name."
         )
@@ -89,7 +89,7 @@ def abstract_batch(batch, global_batch_size: int):
 def devices(num_devices: int | None) -> list:
     devices = jax.devices()
     if num_devices is not None and num_devices > len(devices):
-        raise ValueError(
+        raise ConfigError(
             f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
             f"expected at most {len(devices)}."
         )
@@ -98,14 +98,14 @@ def devices(num_devices: int | None) -> list:
 
 def check_model_fn(model_fn) -> None:
     if not callable(model_fn):
-        raise TypeError(
+        raise ConfigTypeError(
             f"Estimator(model_fn={model_fn!r}) is not callable; expected "
             "`def model_fn(model, features, labels, mode, params) -> ex.Spec`."
         )
     try:
         inspect.signature(model_fn).bind(None, None, None, None, None)
     except TypeError:
-        raise TypeError(
+        raise ConfigTypeError(
             f"Estimator(model_fn=...) has signature {inspect.signature(model_fn)}; expected "
             "`model_fn(model, features, labels, mode, params)`: five positional arguments."
         ) from None
@@ -151,7 +151,7 @@ class ModeChecks:
         scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and not v.shape)
         why = padding(input, batch_size)
         if scalars and why is not None:
-            raise ModelFnError(
+            raise SpecError(
                 f"model_fn returned scalar {scalars} in eval mode (one value for the whole batch, e.g. a "
                 f"`.mean()`), and {why}: a scalar cannot leave the padding out. Expected per-example values of "
                 f"shape ({batch_size},). Fix: return the per-example loss and metrics (drop the `.mean()`); "

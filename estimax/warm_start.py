@@ -22,6 +22,7 @@ import numpy as np
 
 from estimax import checkpoint as checkpoint_lib
 from estimax import storage
+from estimax.errors import CheckpointError
 from estimax.state import leaf_names
 
 logger = logging.getLogger("estimax")
@@ -91,14 +92,14 @@ class WarmStart:
         opt_state = state.opt_state
         if self.optimizer_state:
             if raw is None:
-                raise ValueError(
+                raise CheckpointError(
                     f"WarmStart(optimizer_state=True): {self.path} holds arrays only, no optimizer "
                     "state; expected another estimax run's checkpoint."
                 )
             leaves = jax.tree.leaves(raw["opt_state"])
             target = jax.tree.leaves(opt_state)
             if [np.shape(x) for x in leaves] != [np.shape(x) for x in target]:
-                raise ValueError(
+                raise CheckpointError(
                     "WarmStart(optimizer_state=True): the source optimizer state has another "
                     "structure; expected the same optimizer over the same parameters."
                 )
@@ -124,7 +125,7 @@ class WarmStart:
                 initialised.append(name)
                 continue
             if tuple(np.shape(source[source_name])) != tuple(shape):
-                raise ValueError(
+                raise CheckpointError(
                     f"WarmStart: parameter {name} has shape {tuple(shape)} but {source_name} in {self.path} has "
                     f"shape {tuple(np.shape(source[source_name]))}. Fix: exclude it, e.g. "
                     f"WarmStart(..., exclude=[{re.escape(name.rsplit('/', 1)[0])!r} + '/.*'])."

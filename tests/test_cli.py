@@ -114,7 +114,11 @@ def test_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
         assert re.search(rf"estimax: error: No checkpoint in {tmp_path}/empty: nothing trained", result.stderr)
         assert "predictions" not in result.stdout
     result = _run("train", "--data-dir", str(tmp_path), "--debug", cwd=tmp_path)
-    assert result.returncode == 1 and "Traceback" in result.stderr and "ValueError: --data-dir" in result.stderr
+    assert (
+        result.returncode == 1
+        and "Traceback" in result.stderr
+        and "estimax.errors.ConfigError: --data-dir" in result.stderr
+    )
 
 
 def test_a_task_with_a_syntax_error_names_the_file_and_line(tmp_path):

@@ -29,7 +29,7 @@ from estimax.cli import task as task_lib
 from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
-from estimax.errors import ConfigError, ModelFnError
+from estimax.errors import CheckpointError, ConfigError, ModelFnError
 from estimax.state import leaf_names
 from estimax.warm_start import WarmStart
 
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     task = task_lib.load(args.task, given)
     if args.data_dir is not None:
         if "data_dir" not in task.params:  # never silently ignored: case 8 of issue 13 trained digits
-            raise ValueError(
+            raise ConfigError(
                 f"--data-dir {args.data_dir}: task {task.name!r} reads no data directory (its params have no "
                 f"data_dir); expected a task that does, e.g. `estimax {args.command} --data mnist --data-dir "
                 f"{args.data_dir}`."
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     defaults = task.defaults
     known = {name for run_flag in RUN_FLAGS for name in run_flag.names} | set(COMMAND_DEFAULTS)
     if set(defaults) - known:
-        raise ValueError(
+        raise ConfigError(
             f"Task {task.name!r}: DEFAULTS has {sorted(set(defaults) - known)}; expected run settings "
             f"named like their flags: {', '.join(sorted(known))}."
         )
@@ -118,7 +118,7 @@ def train(args, task, estimator, first: bool) -> int:
     eval_every = args.eval_every or task.defaults.get("eval_every")
     profile = estimator.config.profile_steps
     if profile is not None and "max_steps" in length and profile[0] >= length["max_steps"]:
-        raise ValueError(
+        raise ConfigError(
             f"--profile-steps {profile[0]}:{profile[1]} starts at or after max_steps {length['max_steps']}."
         )
     train_input, eval_input = task.input("train"), task.input("eval")
@@ -139,14 +139,14 @@ def train(args, task, estimator, first: bool) -> int:
 def _max_steps(args, task) -> int:
     max_steps = args.max_steps if args.max_steps is not None else task.defaults.get("max_steps")
     if max_steps is None:
-        raise ValueError(f"Task {task.name!r} sets no DEFAULTS['max_steps']; expected --max-steps N or --epochs N.")
+        raise ConfigError(f"Task {task.name!r} sets no DEFAULTS['max_steps']; expected --max-steps N or --epochs N.")
     return max_steps
 
 
 def _require_checkpoint(estimator) -> None:
     if estimator.step == 0:
         model_dir = estimator.run_dir.url
-        raise ValueError(
+        raise CheckpointError(
             f"No checkpoint in {model_dir}: nothing trained to use; expected a model_dir that `estimax train` "
             f"wrote. Fix: `estimax train ... --model-dir {model_dir}` first, or pass the right --model-dir."
         )

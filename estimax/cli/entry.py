@@ -7,9 +7,10 @@ no task trains the digits CNN and evaluates its held-out split.
 
 Owns parsing and checking the arguments (without importing JAX, so that
 ``--help`` and mistakes, ``--set`` names and values included, answer at
-once), printing estimax's errors as one line (exit 2, or 74 for a store fault;
-``--debug`` shows the traceback), and ending the program
-as soon as its command is done. The run-setting flags are
+once), printing every ``EstimaxError`` as one line with its kind's exit status
+(2, or 74 for a store fault; ``--debug`` shows the traceback), and a task's own
+``ValueError`` and the like as one line too, and ending the program as soon as
+its command is done. The run-setting flags are
 ``flags.py``'s.
 Owns no training: the commands call the ``Estimator``.
 
@@ -30,10 +31,13 @@ from typing import NoReturn
 from estimax.cli import predict_file
 from estimax.cli import task as task_lib
 from estimax.cli.flags import RUN_FLAGS, non_negative_int, positive_int
+from estimax.errors import USER_ERROR_EXIT_CODE, ConfigError, EstimaxError  # imports nothing heavy
 
 EXAMPLES = ("digits", "mnist", "lstm", "time_distributed", "lm")
 DEFAULT_EXAMPLE = "digits"
-USER_ERROR_EXIT = 2
+# What a task's own code raises about its settings, files or imports (its model, its inputs, the libraries
+# it calls): said in one line too, as estimax's own errors are. estimax raises only EstimaxErrors for these.
+TASK_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
 FLAG_DEFAULTS = "A run setting not given takes the task's DEFAULTS entry, else RunConfig's default."
 DOCS_EPILOG = (
     "Documentation: docs/ in the source tree, as a site with `pip install '.[docs]' && mkdocs serve` there: "
@@ -141,7 +145,7 @@ def _launch(argv: list[str]) -> int:
         return launch(
             command, args.num_processes, devices_per_process=args.devices_per_process, max_restarts=args.max_restarts
         )
-    except ValueError as error:
+    except ConfigError as error:
         parser.error(str(error))
 
 
@@ -150,7 +154,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 
     def error(message: str):
         print(f"estimax {args.command}: error: {message}", file=sys.stderr)
-        raise SystemExit(USER_ERROR_EXIT)
+        raise SystemExit(USER_ERROR_EXIT_CODE)
 
     if args.task and (args.example or args.data):
         error(f"received the task {args.task!r} and --example/--data; expected one of them")
@@ -170,11 +174,11 @@ def check_arguments(args: argparse.Namespace) -> None:
     if getattr(args, "input", None):
         try:
             predict_file.check(args.input)
-        except ValueError as problem:
+        except ConfigError as problem:
             error(str(problem))
     try:
         task_lib.check_sets(args.task, args.set)  # from the task's source: before its imports (JAX)
-    except ValueError as problem:
+    except ConfigError as problem:
         error(str(problem))
 
 
@@ -217,25 +221,18 @@ def _command(argv: list[str]) -> int:
         from estimax.cli import commands
 
         return commands.run(args)
-    except _user_errors() as error:
+    except (EstimaxError, *TASK_ERRORS) as error:
         if getattr(args, "debug", False):
             raise
         message = " ".join(str(error).split()) or type(error).__name__
         print(f"estimax: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return getattr(error, "exit_code", USER_ERROR_EXIT)  # a store fault has its own (74)
+        # The kind's own status: 2 for a mistake, 74 for a store that stopped answering (EX_IOERR).
+        return error.exit_code if isinstance(error, EstimaxError) else USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:  # a third Ctrl-C (two stop and save): at once, without a traceback
         if args.debug:
             raise
         print("estimax: interrupted: stopped at once; the checkpoints already written are kept.", file=sys.stderr)
         return 128 + signal.SIGINT
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Mistakes in a task, its input or the settings (no traceback): every estimax error, and the
-    built-in errors a task's own code raises about its settings."""
-    from estimax.errors import EstimaxError  # imports nothing heavy
-
-    return (EstimaxError, ValueError, TypeError, FileNotFoundError, ImportError)
 
 
 class _Version(argparse.Action):

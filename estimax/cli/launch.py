@@ -49,15 +49,15 @@ def launch(
     was preempted, else the failing process's code (128 + signal if killed).
     """
     if not command:
-        raise ValueError(
+        raise ConfigError(
             "estimax launch received no command; expected one after `--`, e.g. "
             "`estimax launch --num-processes 2 -- estimax train`."
         )
     for name, value, least in (("num_processes", num_processes, 1), ("max_restarts", max_restarts, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"launch({name}={value!r}); expected an integer >= {least}.")
+            raise ConfigError(f"launch({name}={value!r}); expected an integer >= {least}.")
     if devices_per_process is not None and devices_per_process < 1:
-        raise ValueError(f"launch(devices_per_process={devices_per_process!r}); expected an integer >= 1.")
+        raise ConfigError(f"launch(devices_per_process={devices_per_process!r}); expected an integer >= 1.")
     _refuse_inside_a_group(os.environ)
     printer = _Printer(output or sys.stdout)
     for restart in range(max_restarts + 1):

@@ -14,7 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from estimax import storage
-from estimax.errors import ConfigError, InputError
+from estimax.errors import ConfigError, InputError, MissingLibraryError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -100,7 +100,7 @@ def _table(path: str, kind: str):
     try:
         import datasets
     except ImportError:
-        raise InputError(
+        raise MissingLibraryError(
             f"--input {path}: reading {kind} needs Hugging Face datasets, which is not installed. "
             "Fix: pip install 'estimax[hf]', or write the examples as .npz."
         ) from None

@@ -41,7 +41,7 @@ import sys
 from collections.abc import Mapping
 from types import ModuleType
 
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, ConfigTypeError, NotFoundError
 
 REQUIRED = ("model", "model_fn", "optimizer", "train_input", "eval_input", "params")
 """The names every task module defines."""
@@ -77,7 +77,7 @@ class Task:
         if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
             return optimizer
         if not callable(optimizer):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Task {self.name!r}: optimizer={optimizer!r}; expected an optax transformation "
                 "(e.g. optax.adam(1e-3)) or a function of params returning one."
             )
@@ -128,9 +128,11 @@ def load(spec: str, overrides: Mapping[str, str] = {}) -> Task:
     module = _import(spec)
     missing = [name for name in REQUIRED if not hasattr(module, name)]
     if missing:
-        raise ValueError(f"Task {spec!r} does not define {', '.join(missing)}; expected {CONVENTION}.")
+        raise ConfigError(f"Task {spec!r} does not define {', '.join(missing)}; expected {CONVENTION}.")
     if not isinstance(module.params, dict):
-        raise TypeError(f"Task {spec!r}: params is a {type(module.params).__name__}; expected a dict of defaults.")
+        raise ConfigTypeError(
+            f"Task {spec!r}: params is a {type(module.params).__name__}; expected a dict of defaults."
+        )
     name = os.path.splitext(os.path.basename(spec))[0] if _is_file(spec) else spec.rsplit(".", 1)[-1]
     return Task(name, module, override(module.params, overrides))
 
@@ -215,7 +217,7 @@ def override(params: Mapping, overrides: Mapping[str, str]) -> dict:
     for name, text in overrides.items():
         if name not in params:
             known = ", ".join(sorted(params)) or "none"
-            raise ValueError(f"--set {name}={text}: {name!r} is not in params; known names: {known}.")
+            raise ConfigError(f"--set {name}={text}: {name!r} is not in params; known names: {known}.")
         result[name] = parse_value(text, params[name], name)
     return result
 
@@ -249,7 +251,7 @@ def parse_value(text: str, default, name: str = "value"):
             raise ValueError
         return value
     except (ValueError, SyntaxError, TypeError):
-        raise ValueError(
+        raise ConfigError(
             f"--set {name}={text}: not a {kind.__name__} like its default {default!r}; "
             f"expected e.g. --set {name}={_example(default)}."
         ) from None
@@ -281,7 +283,7 @@ def _import(spec: str) -> ModuleType:
     if _is_file(spec):
         path = os.path.abspath(spec)
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"Task file {spec!r} does not exist; expected a .py file or a module path.")
+            raise NotFoundError(f"Task file {spec!r} does not exist; expected a .py file or a module path.")
         name = os.path.splitext(os.path.basename(path))[0]
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
@@ -298,7 +300,7 @@ def _import(spec: str) -> ModuleType:
     except ModuleNotFoundError as error:
         if error.name is None or not (spec == error.name or spec.startswith(error.name + ".")):
             raise  # the task itself imports something missing: that module's error
-        raise ValueError(
+        raise ConfigError(
             f"No task module {spec!r} (no module named {error.name!r} from {os.getcwd()}); expected a module "
             "path importable from the working directory, or a .py file."
         ) from None

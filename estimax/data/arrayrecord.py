@@ -30,7 +30,7 @@ from estimax.data import files as files_lib
 from estimax.data import tfrecord
 from estimax.data.grain import MapSource, file_source
 from estimax.data.tfrecord import Parser, serialize
-from estimax.errors import ConfigError, InputError, StorageError
+from estimax.errors import ConfigError, ConfigTypeError, InputError, StorageError
 
 # Random access: no read-ahead past the record asked for, no thread pool per reader (Grain's choice).
 READ_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
@@ -135,7 +135,7 @@ class Records:
     def __getitem__(self, position: int):
         position = int(position)
         if not 0 <= position < len(self):
-            raise IndexError(f"record {position} of {len(self)}")
+            raise IndexError(f"record {position} of {len(self)}")  # the sequence protocol: no user's mistake
         file_number = bisect.bisect_right(self._starts, position) - 1
         name, record = self.names[file_number], position - self._starts[file_number]
         try:
@@ -203,7 +203,7 @@ def _write_local(local: str, name: str, examples: Iterable[Mapping[str, Any]], o
 
 def _check_spec(features: Any, label: str | None) -> None:
     if not isinstance(features, Mapping) or not all(isinstance(f, tfrecord.Feature) for f in features.values()):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"array_record(features={features!r}); expected a dict of name -> Feature, e.g. "
             "{'image': Feature(np.uint8, (28, 28)), 'label': Feature(np.int32)}."
         )

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from estimax.errors import InputError
+
 
 class ArrayDataset:
     """Examples held as numpy arrays; see ``from_arrays``."""
@@ -30,15 +32,15 @@ class ArrayDataset:
         for part, tree in (("features", self.features), ("labels", self.labels)):
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
                 if leaf.ndim == 0:
-                    raise ValueError(
+                    raise InputError(
                         f"from_arrays: {part}{jax.tree_util.keystr(path)} is a scalar; "
                         "expected an array with one row per example."
                     )
                 sizes[f"{part}{jax.tree_util.keystr(path)}"] = leaf.shape[0]
         if not sizes:
-            raise ValueError("from_arrays: received no arrays; expected features with one row per example.")
+            raise InputError("from_arrays: received no arrays; expected features with one row per example.")
         if len(set(sizes.values())) != 1:
-            raise ValueError(
+            raise InputError(
                 f"from_arrays: arrays differ in their number of examples: {sizes}; "
                 "expected one leading size shared by features and labels."
             )
@@ -96,7 +98,7 @@ class ArrayDataset:
         global_batch = host_batch_size * process_count
         per_epoch = self._size // global_batch
         if per_epoch == 0:
-            raise ValueError(
+            raise InputError(
                 f"The training set has {self._size} examples, fewer than one batch of {global_batch} "
                 "(train_batch_size, over all processes); expected at least one full batch. Fix: lower train_batch_size."
             )

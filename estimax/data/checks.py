@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.errors import InputError
+from estimax.errors import InputError, InputKindError
 
 
 class BatchChecker:
@@ -48,7 +48,7 @@ class BatchChecker:
             if self._expected is None:
                 self._expected, self._signature = found, signature
             elif found != self._expected:
-                raise ValueError(f"Input batch {self._count}: {difference(self._expected, found, 'the first batch')}")
+                raise InputError(f"Input batch {self._count}: {difference(self._expected, found, 'the first batch')}")
         self._last = (treedef, tuple((x.shape, x.dtype) for x in leaves))
         self._count += 1
         return leaves, treedef
@@ -82,7 +82,7 @@ _FOREIGN = {
 
 
 def check_source(source) -> None:
-    """A ``TypeError`` for a dataset of another library passed as it is, with the conversion; an
+    """An ``InputKindError`` for a dataset of another library passed as it is, with the conversion; an
     ``InputError`` for a Grain ``MapDataset`` of single examples passed without ``from_grain``."""
     module = type(source).__module__.split(".")[0]
     if module == "grain" and _is_map_dataset_of_examples(source):
@@ -93,7 +93,7 @@ def check_source(source) -> None:
         )
     if module in _FOREIGN:
         what, fix = _FOREIGN[module]
-        raise TypeError(
+        raise InputKindError(
             f"Input is {what.format(name=type(source).__name__)}, which estimax does not read as it is; expected "
             f"estimax.data.from_arrays(...), from_grain(...), a file source or an iterable of numpy "
             f"(features, labels) batches. Fix: {fix}."
@@ -113,7 +113,7 @@ def _is_map_dataset_of_examples(source) -> bool:
 
 def check_pair(item, what: str = "Input") -> None:
     if not (isinstance(item, tuple) and len(item) == 2):
-        raise TypeError(
+        raise InputKindError(
             f"{what} yielded {type(item).__name__}; expected a (features, labels) tuple "
             "(labels may be None for prediction)."
         )
@@ -138,7 +138,7 @@ def stack_examples(examples: Sequence) -> tuple:
         if not same_tree or [(x.shape, x.dtype) for x in leaves] != signature:
             expected = describe(_as_rows(jax.tree.unflatten(treedef, leaves0)))
             found = describe(_as_rows(example), check=False)
-            raise ValueError(f"Example {i} of a batch: {difference(expected, found, 'the first example')}")
+            raise InputError(f"Example {i} of a batch: {difference(expected, found, 'the first example')}")
         for column, x in zip(columns, leaves, strict=True):
             column.append(x)
     return jax.tree.unflatten(treedef, [np.stack(c) for c in columns])
@@ -157,17 +157,17 @@ def describe(batch, check: bool = True) -> dict[str, tuple]:
             leaf = np.asarray(leaf)
             name = part + jax.tree_util.keystr(path)
             if check and leaf.dtype.kind not in "biuf":
-                raise ValueError(
+                raise InputError(
                     f"Input {name} has dtype {leaf.dtype}; expected numbers (bool, int, float). "
                     "Fix: encode text or objects as numeric arrays before feeding them."
                 )
             if leaf.ndim == 0:
-                raise ValueError(
+                raise InputError(
                     f"Input {name} is a scalar; expected one row per example. Fix: feed batches, e.g. "
                     "ex.data.from_grain(dataset) for a Grain dataset of single examples."
                 )
             if check and rows is not None and leaf.shape[0] != rows:
-                raise ValueError(
+                raise InputError(
                     f"Input {name} has {leaf.shape[0]} rows; expected {rows} like the "
                     "other arrays of the batch (one row per example)."
                 )

@@ -22,6 +22,7 @@ import numpy as np
 
 from estimax.data.checks import BatchChecker, check_pair, check_source
 from estimax.data.source import Source
+from estimax.errors import InputError, InputKindError
 
 __all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "eval_batches", "rows", "train_stacks"]
 
@@ -106,7 +107,7 @@ def train_stacks(
         )
         return stacks if isinstance(stacks, Stacks) else Stacks(stacks)
     if input_state is not None:
-        raise ValueError(
+        raise InputError(
             f"train_stacks(input_state={input_state!r}) cannot resume a {type(source).__name__}; "
             "expected input_state=None for plain iterables (they restart where the caller left them)."
         )
@@ -169,7 +170,7 @@ def pad_batches(batches: Iterator, num_batches: int, empty: Callable[[], Any]) -
 
 def _iterate(source) -> Iterator:
     if not isinstance(source, Iterable):
-        raise TypeError(
+        raise InputKindError(
             f"Input {type(source).__name__} is not supported; expected estimax.data.from_arrays(...) "
             "or an iterable of (features, labels) host batches."
         )
@@ -187,7 +188,7 @@ def _drop_final_partial(batches: Iterator, size: int) -> Iterator:
         elif count < size and next(batches, None) is None:
             return
         else:
-            raise ValueError(
+            raise InputError(
                 f"Training input batch {i} has {count} rows; expected the host batch size {size} "
                 "(train_batch_size / process count). Only the last batch may be shorter, and it is dropped."
             )
@@ -197,7 +198,7 @@ def rows(batch) -> int:
     """The number of examples of a ``(features, labels)`` batch."""
     leaves = jax.tree.leaves(batch[0])
     if not leaves:
-        raise ValueError("Input batch has no feature arrays; expected features with one row per example.")
+        raise InputError("Input batch has no feature arrays; expected features with one row per example.")
     shape = getattr(leaves[0], "shape", None)
     return (np.shape(leaves[0]) if shape is None else shape)[0]
 

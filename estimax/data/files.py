@@ -19,6 +19,7 @@ from typing import NamedTuple
 import fsspec
 
 from estimax import storage
+from estimax.errors import InputError, InputNotFoundError
 
 
 class File(NamedTuple):
@@ -48,7 +49,7 @@ class File(NamedTuple):
 
 
 class _CheckedGzip(gzip.GzipFile):
-    """A gzip stream whose truncated or corrupt data is a ``ValueError`` naming the file."""
+    """A gzip stream whose truncated or corrupt data is an ``InputError`` naming the file."""
 
     def __init__(self, display: str, handle):
         super().__init__(fileobj=handle)
@@ -66,8 +67,8 @@ class _CheckedGzip(gzip.GzipFile):
         except (EOFError, gzip.BadGzipFile, zlib.error) as error:
             raise self._error(error) from None
 
-    def _error(self, error: Exception) -> ValueError:
-        return ValueError(
+    def _error(self, error: Exception) -> InputError:
+        return InputError(
             f"{self._display}: not a complete gzip file ({type(error).__name__}: {error}); expected the whole "
             "download. Fix: download it again, or gunzip a good copy (`gzip -t FILE` checks a file)."
         )
@@ -83,10 +84,10 @@ def expand(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[File]
         fs, path = storage.filesystem(pattern)
         matches = storage.bounded("listing", pattern, _matches, fs, path)
         if not matches:
-            raise FileNotFoundError(f"Input files {pattern!r} match no file; expected an existing path or pattern.")
+            raise InputNotFoundError(f"Input files {pattern!r} match no file; expected an existing path or pattern.")
         files.extend(File(fs, m, _display(pattern, fs, m)) for m in matches)
     if not files:
-        raise FileNotFoundError("Input files: received an empty list; expected at least one path.")
+        raise InputNotFoundError("Input files: received an empty list; expected at least one path.")
     return files
 
 
@@ -99,7 +100,7 @@ def listing(directory: str | os.PathLike) -> list[str]:
     url = storage.expand(directory)
     fs, path = storage.filesystem(url)
     if not storage.bounded("listing", url, fs.isdir, path):
-        raise FileNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
+        raise InputNotFoundError(f"{os.fspath(directory)!r} is not a directory; expected the directory of the files.")
     return [os.path.basename(p.rstrip("/")) for p in storage.bounded("listing", url, fs.ls, path, detail=False)]
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from estimax.data import feed
 from estimax.data import files as files_lib
 from estimax.data.checks import BatchChecker, stack_examples
-from estimax.errors import InputError
+from estimax.errors import InputError, InputKindError
 
 Shard = Callable[[int, int], grain.MapDataset]
 
@@ -229,7 +229,7 @@ def from_grain(dataset, *, num_workers: int = 0, read_options: grain.ReadOptions
 
         def make(process_index: int, process_count: int) -> grain.IterDataset:
             if process_count > 1:
-                raise ValueError(
+                raise InputError(
                     f"from_grain received an IterDataset and there are {process_count} processes: each would "
                     "read all of it. Fix: pass a MapDataset, or a function (process_index, process_count) -> "
                     "IterDataset that reads that process's shard."
@@ -239,7 +239,7 @@ def from_grain(dataset, *, num_workers: int = 0, read_options: grain.ReadOptions
         return IterSource(make, num_workers=num_workers, kind="a Grain IterDataset (from_grain)")
     if callable(dataset):
         return IterSource(dataset, num_workers=num_workers, kind="a Grain IterDataset per process (from_grain)")
-    raise TypeError(
+    raise InputKindError(
         f"from_grain received {type(dataset).__name__}; expected a grain.MapDataset, a grain.IterDataset, "
         "or a function (process_index, process_count) -> grain.IterDataset."
     )

@@ -19,7 +19,7 @@ from typing import Any
 import grain
 
 from estimax.data.grain import IterSource, MapSource, from_grain
-from estimax.errors import ConfigError, InputError
+from estimax.errors import ConfigError, InputError, InputKindError, MissingLibraryError
 
 Columns = str | Sequence[str] | None
 
@@ -28,7 +28,7 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise ConfigError(
+        raise MissingLibraryError(
             "from_hf needs the Hugging Face datasets library, which is not installed. Fix: pip install 'estimax[hf]'."
         ) from None
     return datasets
@@ -227,7 +227,7 @@ def from_hf(
             return Stream(mine, example)
 
         return IterSource(shard, num_workers=num_workers, kind="a streaming Hugging Face dataset (from_hf)")
-    raise TypeError(
+    raise InputKindError(
         f"from_hf received {type(dataset).__name__}; expected a datasets.Dataset or datasets.IterableDataset "
         "(e.g. datasets.load_dataset('parquet', data_files=..., split='train'))."
     )

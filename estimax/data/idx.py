@@ -18,7 +18,7 @@ import numpy as np
 
 from estimax.data import files as files_lib
 from estimax.data.arrays import ArrayDataset, from_arrays
-from estimax.errors import InputError
+from estimax.errors import InputError, InputNotFoundError
 
 IMAGES_MAGIC, LABELS_MAGIC = 2051, 2049  # unsigned bytes, 3 and 1 dimensions
 
@@ -28,21 +28,21 @@ def read_idx(path: str | os.PathLike, magic: int) -> np.ndarray:
     (file,) = files_lib.expand(path)
     data = file.read()
     if len(data) < 4:
-        raise ValueError(f"{file.name}: {len(data)} bytes; expected an idx header of at least 4 bytes.")
+        raise InputError(f"{file.name}: {len(data)} bytes; expected an idx header of at least 4 bytes.")
     found = int.from_bytes(data[:4], "big")
     if found != magic:
-        raise ValueError(
+        raise InputError(
             f"{file.name}: magic number {found}; expected {magic} "
             f"({'images, idx3' if magic == IMAGES_MAGIC else 'labels, idx1'}-ubyte)."
         )
     num_dims = magic & 0xFF
     header = 4 + 4 * num_dims
     if len(data) < header:
-        raise ValueError(f"{file.name}: {len(data)} bytes; expected a header of {header} bytes.")
+        raise InputError(f"{file.name}: {len(data)} bytes; expected a header of {header} bytes.")
     shape = tuple(int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(num_dims))
     expected = header + int(np.prod(shape))
     if len(data) != expected:
-        raise ValueError(
+        raise InputError(
             f"{file.name}: {len(data)} bytes; expected {expected} (a {header}-byte header and "
             f"{' x '.join(map(str, shape))} values as the header says)."
         )
@@ -63,7 +63,7 @@ def find(data_dir: str | os.PathLike, split: str, kind: str) -> str:
         if name in present:
             return f"{base}/{name}"
     shown = ", ".join(sorted(present)[:20]) + (f" and {len(present) - 20} more" if len(present) > 20 else "")
-    raise FileNotFoundError(
+    raise InputNotFoundError(
         f"No MNIST {split} {kind} in {os.fspath(data_dir)!r}: looked for {', '.join(names(split, kind))}; "
         f"the directory holds {shown or 'no files'}. Fix: --data-dir the directory of the idx files."
     )
@@ -87,7 +87,7 @@ def mnist(
             f"or build the model for {_size(images.shape[1:])}."
         )
     if len(images) != len(labels):
-        raise ValueError(
+        raise InputError(
             f"{labels_path}: {len(labels)} labels; expected {len(images)}, one per image of {images_path}."
         )
     return from_arrays({"image": images.astype(np.float32) / 255.0}, labels.astype(np.int32))

@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from estimax import storage
 from estimax.data import files as files_lib
 from estimax.data.grain import MapSource, file_source
-from estimax.errors import InputError
+from estimax.errors import ConfigError, InputError
 from estimax.tfrecord_framing import frame, masked_crc
 
 
@@ -76,10 +76,10 @@ def index_records(file: files_lib.File) -> list[tuple[int, int]]:
     with file.open() as f:
         while header := f.read(12):
             if len(header) < 12:
-                raise ValueError(f"{file.name}: record {len(index)} is truncated (a {len(header)}-byte header).")
+                raise InputError(f"{file.name}: record {len(index)} is truncated (a {len(header)}-byte header).")
             length, length_crc = struct.unpack("<QI", header)
             if masked_crc(header[:8]) != length_crc:
-                raise ValueError(
+                raise InputError(
                     f"{file.name}: record {len(index)} is corrupt: its length's CRC is {length_crc:#x}; "
                     f"expected {masked_crc(header[:8]):#x}."
                 )
@@ -122,10 +122,10 @@ class Records:
         offset, length = self._index(file)[record]
         data = file.read_range(offset, offset + length + 4)
         if len(data) < length + 4:
-            raise ValueError(f"{file.name}: record {record} is truncated ({len(data) - 4} of {length} bytes).")
+            raise InputError(f"{file.name}: record {record} is truncated ({len(data) - 4} of {length} bytes).")
         (crc,) = struct.unpack("<I", data[length:])
         if masked_crc(data[:length]) != crc:
-            raise ValueError(
+            raise InputError(
                 f"{file.name}: record {record} is corrupt: its data CRC is {crc:#x}; "
                 f"expected {masked_crc(data[:length]):#x}."
             )
@@ -193,7 +193,7 @@ class Parser:
 
     def __init__(self, spec: Mapping[str, Feature], label: str | None):
         if label is not None and label not in spec:
-            raise ValueError(f"tfrecord(label={label!r}) is not in the feature spec {sorted(spec)}.")
+            raise ConfigError(f"tfrecord(label={label!r}) is not in the feature spec {sorted(spec)}.")
         self.spec, self.label = dict(spec), label
 
     def __call__(self, item) -> tuple:
@@ -202,12 +202,12 @@ class Parser:
         try:
             example.ParseFromString(data)
         except Exception as error:  # protobuf's DecodeError: name the record
-            raise ValueError(f"{file_name}: record {record} is not a tf.train.Example ({error}).") from None
+            raise InputError(f"{file_name}: record {record} is not a tf.train.Example ({error}).") from None
         present = example.features.feature
         values = {}
         for name, feature in self.spec.items():
             if name not in present:
-                raise ValueError(
+                raise InputError(
                     f"{file_name}: record {record} has no feature {name!r}; expected the spec's "
                     f"{sorted(self.spec)} (found {sorted(present)})."
                 )
@@ -220,25 +220,25 @@ class Parser:
         kind = feature.WhichOneof("kind")
         if kind == "bytes_list":
             if len(feature.bytes_list.value) != 1:
-                raise ValueError(
+                raise InputError(
                     f"{where}: feature {name!r} has {len(feature.bytes_list.value)} byte strings; expected one "
                     f"holding raw {dtype} data (text is not numeric: encode it as integers)."
                 )
             values = np.frombuffer(feature.bytes_list.value[0], dtype)
         elif kind == "float_list" and dtype.kind != "f":
-            raise ValueError(f"{where}: feature {name!r} holds floats; expected {dtype} as the spec says.")
+            raise InputError(f"{where}: feature {name!r} holds floats; expected {dtype} as the spec says.")
         else:
             values = np.asarray(getattr(feature, kind or "int64_list").value, dtype)
         row = int(np.prod(spec.shape))
         if spec.max_length is None:
             if values.size != row:
-                raise ValueError(
+                raise InputError(
                     f"{where}: feature {name!r} has {values.size} values; expected {row} (shape {spec.shape})."
                 )
             return {name: values.reshape(spec.shape)}
         rows, remainder = divmod(values.size, row)
         if remainder or rows > spec.max_length:
-            raise ValueError(
+            raise InputError(
                 f"{where}: feature {name!r} has {values.size} values; expected up to {spec.max_length} "
                 f"rows of shape {spec.shape}."
             )

@@ -80,7 +80,7 @@ class Attention(nnx.Module):
 
     def __init__(self, dim: int, num_heads: int, *, rngs: nnx.Rngs):
         if dim % num_heads:
-            raise ValueError(f"lm: dim={dim} must be a multiple of num_heads={num_heads}.")
+            raise ex.ConfigError(f"lm: dim={dim} must be a multiple of num_heads={num_heads}.")
         self.num_heads = num_heads
         self.query = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
         self.key = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
@@ -141,7 +141,7 @@ def sizes(params: dict) -> dict:
     """The model's shape: ``params``' sizes, or those of its ``preset``."""
     preset = params.get("preset") or ""
     if preset and preset not in PRESETS:
-        raise ValueError(f"lm: preset={preset!r} is not a preset; expected one of {sorted(PRESETS)} or ''.")
+        raise ex.ConfigError(f"lm: preset={preset!r} is not a preset; expected one of {sorted(PRESETS)} or ''.")
     return {**{k: params.get(k, v) for k, v in MODEL.items()}, **PRESETS.get(preset, {})}
 
 
@@ -219,7 +219,7 @@ def text_files(data_dir: str) -> list[str]:
     """Every regular file under ``data_dir``, sorted by relative path."""
     found = [os.path.join(d, n) for d, _, names in os.walk(data_dir) for n in names]
     if not found:
-        raise ValueError(f"lm: --data-dir {data_dir!r} holds no files; expected a directory of text files.")
+        raise ex.InputNotFoundError(f"lm: --data-dir {data_dir!r} holds no files; expected a directory of text files.")
     return sorted(found, key=lambda path: os.path.relpath(path, data_dir))
 
 
@@ -239,7 +239,7 @@ def windows(files: list[str], seq_len: int, max_bytes: int) -> ex.data.ArrayData
     data = np.frombuffer(b"".join(chunks), np.uint8)
     count = (len(data) - 1) // seq_len
     if count < 1:
-        raise ValueError(f"lm: the corpus has {len(data)} bytes; expected at least seq_len + 1 = {seq_len + 1}.")
+        raise ex.InputError(f"lm: the corpus has {len(data)} bytes; expected at least seq_len + 1 = {seq_len + 1}.")
     inputs = data[: count * seq_len].reshape(count, seq_len).astype(np.int32)
     targets = data[1 : count * seq_len + 1].reshape(count, seq_len).astype(np.int32)
     return ex.data.from_arrays({"bytes": inputs}, targets)
@@ -249,7 +249,7 @@ def _files(params: dict) -> tuple[list[str], list[str]]:
     """(training files, held-out files): one file in ten is held out (the standard library, or ``data_dir``)."""
     files = text_files(params["data_dir"]) if params.get("data_dir") else stdlib_files()
     if len(files) < HELD_OUT_EVERY:
-        raise ValueError(f"lm: {len(files)} files; expected at least {HELD_OUT_EVERY} (one in ten is held out).")
+        raise ex.InputError(f"lm: {len(files)} files; expected at least {HELD_OUT_EVERY} (one in ten is held out).")
     held_out = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
     train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1]
     return train, held_out

@@ -60,7 +60,7 @@ def eval_input(params: dict) -> ex.data.ArrayDataset:
 
 def _data_dir(params: dict) -> str:
     if not params.get("data_dir"):
-        raise ValueError(
+        raise ex.ConfigError(
             "The mnist task received no data_dir; expected the directory of MNIST's idx files "
             "(train-images-idx3-ubyte[.gz] and the other three). Fix: --data-dir DIR."
         )

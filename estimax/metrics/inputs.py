@@ -152,7 +152,7 @@ class TopK(Inputs):
 
     def __init__(self, scores, labels, k: int = 5):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"TopK(k={k!r}); expected a positive integer, e.g. TopK(logits, labels, k=5).")
+            raise ConfigError(f"TopK(k={k!r}); expected a positive integer, e.g. TopK(logits, labels, k=5).")
         super().__init__(HitsState, scores, labels, k=k)
 
 
@@ -220,9 +220,9 @@ class AUC(Inputs):
 
     def __init__(self, scores, labels, *, num_thresholds: int = 200, curve: str = "ROC", from_logits: bool = False):
         if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int) or num_thresholds < 2:
-            raise ValueError(f"AUC(num_thresholds={num_thresholds!r}); expected an integer >= 2 (default 200).")
+            raise ConfigError(f"AUC(num_thresholds={num_thresholds!r}); expected an integer >= 2 (default 200).")
         if curve not in ("ROC", "PR"):
-            raise ValueError(f"AUC(curve={curve!r}); expected 'ROC' or 'PR'.")
+            raise ConfigError(f"AUC(curve={curve!r}); expected 'ROC' or 'PR'.")
         super().__init__(
             AUCState,
             scores,

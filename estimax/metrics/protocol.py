@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.errors import EstimaxError
+from estimax.errors import ConfigTypeError, EstimaxError, SpecError
 
 logger = logging.getLogger("estimax")
 
@@ -115,7 +115,7 @@ class Inputs:
             try:
                 hash(value)
             except TypeError:
-                raise TypeError(
+                raise ConfigTypeError(
                     f"{metric.__name__} config {name}={value!r} is not hashable; expected an int, "
                     "float, string, bool or None (arrays are inputs: pass them as jax/numpy arrays)."
                 ) from None
@@ -168,7 +168,7 @@ def empty_like(state: Metric) -> Metric:
     try:
         return jax.tree.map(lambda e, s: np.broadcast_to(np.asarray(e, s.dtype), s.shape).copy(), empty, state)
     except (ValueError, TypeError) as error:
-        raise TypeError(
+        raise SpecError(
             f"{type(state).__name__}.empty() gives {jax.tree.map(np.shape, empty)}, which does not match "
             f"the state of a batch {jax.tree.map(np.shape, state)}; expected the same fields, shapes and config."
         ) from error

@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from estimax.errors import ConfigTypeError
 from estimax.models.base import WrappedModel
 from estimax.spec import TRAIN, Mode
 
@@ -30,13 +31,13 @@ def functional_model(init: Callable | None = None, apply: Callable | None = None
         ("apply", apply, "apply(params, features, rng) -> outputs", 3),
     ):
         if fn is None or not callable(fn):
-            raise ValueError(
+            raise ConfigTypeError(
                 f"ex.models.functional({name}={fn!r}) is not a function; expected `{signature}`, {_EXAMPLE}."
             )
         try:
             inspect.signature(fn).bind(*([None] * args))
         except TypeError:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"ex.models.functional({name}=...) has signature {inspect.signature(fn)}; expected "
                 f"`{signature}`: {args} positional argument{'s' if args > 1 else ''}."
             ) from None

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.models.base import WrappedModel
 from estimax.spec import TRAIN, Mode
 
@@ -32,19 +33,19 @@ def keras_model(model) -> WrappedModel:
     import keras
 
     if not isinstance(model, keras.Model):
-        raise TypeError(
+        raise ConfigTypeError(
             f"ex.models.keras(model=...) received {type(model).__name__}; expected a keras.Model, "
             "e.g. `keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])`."
         )
     backend = keras.backend.backend()
     if backend != "jax":
-        raise ValueError(
+        raise ConfigError(
             f"ex.models.keras received a Keras model on the {backend!r} backend; expected the 'jax' backend, "
             "since estimax compiles the model with JAX. Fix: set the environment variable KERAS_BACKEND=jax "
             "before keras is first imported (e.g. `os.environ['KERAS_BACKEND'] = 'jax'` at the top of the script)."
         )
     if not model.built or not model.trainable_variables:
-        raise ValueError(
+        raise ConfigError(
             f"ex.models.keras received an unbuilt Keras model ({model.name}: no trainable variables yet); "
             "expected a built model. Fix: start it with `keras.Input(shape)` or call it once on an example batch."
         )

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import linen
 
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.models.base import WrappedModel
 from estimax.spec import TRAIN, Mode
 
@@ -31,12 +32,12 @@ def linen_model(module: linen.Module, *example_args, rng_streams=("dropout",), *
         **example_kwargs: example keyword inputs, like ``example_args``.
     """
     if not isinstance(module, linen.Module):
-        raise TypeError(
+        raise ConfigTypeError(
             f"ex.models.linen(module=...) received {type(module).__name__}; expected a flax.linen.Module "
             "instance, e.g. `ex.models.linen(MLP(features=32), jnp.zeros((1, 6)))`."
         )
     if not example_args and not example_kwargs:
-        raise ValueError(
+        raise ConfigError(
             f"ex.models.linen({type(module).__name__}(...)) received no example input; Linen modules need "
             "one to initialise. Fix: `ex.models.linen(module, jnp.zeros((1, *input_shape)))`."
         )
@@ -55,7 +56,7 @@ class LinenAdapter:
         self._seed = seed
         shapes = jax.eval_shape(self._variables)
         if "params" not in shapes:
-            raise ValueError(
+            raise ConfigError(
                 f"ex.models.linen({type(module).__name__}(...)) has no 'params' collection after init "
                 f"(collections: {sorted(shapes)}); expected trainable parameters to optimise."
             )

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from estimax.errors import ConfigTypeError
 from estimax.models.base import WrappedModel
 from estimax.spec import Mode
 
@@ -34,7 +35,7 @@ class NNXAdapter:
 
     def __init__(self, factory: ModelFactory, params: dict, seed: int):
         if not callable(factory):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Estimator(model={factory!r}) is not callable; expected a factory "
                 "`(rngs, params) -> nnx.Module`, e.g. `model=lambda rngs, params: CNN(rngs=rngs)`."
             )
@@ -45,7 +46,7 @@ class NNXAdapter:
         abstract = nnx.eval_shape(self._build)
         if not isinstance(abstract, nnx.Module):
             kind = "an array or number" if isinstance(abstract, jax.ShapeDtypeStruct) else type(abstract).__name__
-            raise TypeError(
+            raise ConfigTypeError(
                 f"Estimator(model=...) returned {kind}; expected a Flax nnx.Module from `model(rngs, params)`."
             )
         abstract.train()
@@ -102,7 +103,7 @@ def _check_factory_signature(factory) -> None:
     try:
         inspect.signature(factory).bind(None, None)
     except TypeError:
-        raise TypeError(
+        raise ConfigTypeError(
             f"Estimator(model=...) has signature {inspect.signature(factory)}; expected an NNX factory "
             "`(rngs, params) -> nnx.Module`. Fix: `model=lambda rngs, params: MyModule(rngs=rngs)`; for "
             "a plain function `(params, features, rng) -> outputs` use "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from estimax.errors import ConfigError
+from estimax.errors import ConfigTypeError
 from estimax.models.base import Adapter, WrappedModel
 from estimax.models.nnx_model import NNXAdapter
 
@@ -21,8 +21,8 @@ def resolve(model: Any, hparams: dict, seed: int) -> Adapter:
     A model wrapped by ``ex.models.*`` is built; an object with the four
     methods of ``Adapter`` is used as is; any other callable is an NNX
     factory ``(rngs, params) -> nnx.Module``. Models of other frameworks
-    passed bare raise a TypeError that names the wrapper to use; a module class passed instead of
-    its factory, a ``ConfigError`` that shows the factory.
+    passed bare raise a ``ConfigTypeError`` that names the wrapper to use; a
+    module class passed instead of its factory, one that shows the factory.
     """
     if isinstance(model, WrappedModel):
         return model.build(hparams, seed)
@@ -42,7 +42,7 @@ def _reject_bare(model: Any) -> None:
         "Flax NNX module instance": "model=lambda rngs, params: MyModule(rngs=rngs)  # a factory, not an instance",
     }
     if kind in fixes:
-        raise TypeError(
+        raise ConfigTypeError(
             f"Estimator(model=...) received a {kind} ({type(model).__name__}); expected an NNX factory "
             f"`(rngs, params) -> nnx.Module` or a model wrapped by estimax.models. Fix: {fixes[kind]}."
         )
@@ -61,7 +61,7 @@ def _reject_class(cls: type) -> None:
     }
     for base, fix in fixes.items():
         if issubclass(cls, base):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"Estimator(model={cls.__name__}) received the class {cls.__name__}; expected an NNX factory "
                 f"`(rngs, params) -> nnx.Module` or a model wrapped by estimax.models. Fix: {fix}."
             )

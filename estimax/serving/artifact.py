@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from estimax import storage
-from estimax.errors import ArtifactError
+from estimax.errors import ArtifactError, InputError, InputKindError
 from estimax.serving.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
@@ -47,17 +47,17 @@ class ExportedModel:
         return self.unwrap(self.run(self.prepare(features)))
 
     def prepare(self, features) -> dict[str, np.ndarray]:
-        """``features`` checked against the signature and cast to its dtypes; raises ValueError/TypeError."""
+        """``features`` checked against the signature and cast to its dtypes; raises InputError/InputKindError."""
         if not isinstance(features, dict):
             if len(self.inputs) != 1:
-                raise TypeError(
+                raise InputKindError(
                     f"The model takes features {sorted(self.inputs)}; received {type(features).__name__}. "
                     "Expected a dict name -> array."
                 )
             features = {next(iter(self.inputs)): features}
         missing, extra = sorted(set(self.inputs) - set(features)), sorted(set(features) - set(self.inputs))
         if missing or extra:
-            raise ValueError(
+            raise InputError(
                 f"Features {sorted(map(str, features))} do not match the signature: "
                 + "; ".join(([f"missing {missing}"] if missing else []) + ([f"unexpected {extra}"] if extra else []))
                 + f". Expected exactly {sorted(self.inputs)}."
@@ -65,7 +65,7 @@ class ExportedModel:
         prepared = {name: self.inputs[name].check(name, value) for name, value in features.items()}
         sizes = {name: len(x) for name, x in prepared.items()}
         if len(set(sizes.values())) > 1:
-            raise ValueError(f"Features have different batch sizes {sizes}; expected one leading batch axis.")
+            raise InputError(f"Features have different batch sizes {sizes}; expected one leading batch axis.")
         return prepared
 
     def run(self, prepared: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -92,13 +92,13 @@ class _Spec:
         try:
             x = np.asarray(value)
         except ValueError as error:  # ragged nested lists
-            raise ValueError(
+            raise InputError(
                 f"Feature {name!r} is not a rectangular array ({error}); the signature says {self.text}."
             ) from None
         if x.dtype == object:
-            raise ValueError(f"Feature {name!r} is not a rectangular array of numbers; the signature says {self.text}.")
+            raise InputError(f"Feature {name!r} is not a rectangular array of numbers; the signature says {self.text}.")
         if x.ndim == 0 or x.shape[1:] != self.trailing:
-            raise ValueError(
+            raise InputError(
                 f"Feature {name!r} has shape {x.shape}; the signature says {self.text} ({BATCH}: any batch size). "
                 f"Expected shape (batch, {', '.join(map(str, self.trailing))})."
             )
@@ -113,11 +113,11 @@ class _Spec:
             cast = x.astype(self.dtype)
             if x.size == 0 or np.array_equal(cast.astype(x.dtype), x):
                 return cast  # integers that fit exactly (int64 -> int32, int -> float32 pixel values)
-            raise ValueError(
+            raise InputError(
                 f"Feature {name!r} has {x.dtype} values that do not fit {self.dtype} exactly (e.g. "
                 f"{_first_lossy(x, cast)}); the signature says {self.text}. Fix: send values in range."
             )
-        raise TypeError(
+        raise InputKindError(
             f"Feature {name!r} has dtype {x.dtype}; the signature says {self.text}, and casting "
             f"{x.dtype} to {self.dtype} would lose information. Fix: send {self.dtype} values."
         )

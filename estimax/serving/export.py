@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from estimax import storage
+from estimax.errors import InputKindError, ServingError, SpecError
 from estimax.state import leaf_names
 
 PROGRAM, PARAMS, SIGNATURE = "model.jaxexport", "params", "signature.json"
@@ -46,7 +47,7 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
     ``features``: per-example ``ShapeDtypeStruct``s (``plan.feature_spec``), a dict or one array.
     """
     if jax.process_count() > 1:
-        raise ValueError(
+        raise ServingError(
             f"export() runs in one process; this is process {jax.process_index()} of {jax.process_count()}. "
             "Fix: export from the checkpoint in a single process: `estimax export --model-dir DIR --output PATH` "
             "or `Estimator(...).export(path)` with the same model_dir."
@@ -129,12 +130,12 @@ def check_target(path: str) -> None:
     # The program is uploaded first and the signature last: an upload the store cut off left the program.
     earlier = any(storage.exists(storage.join(path, name)) for name in (SIGNATURE, PROGRAM, "saved_model.pb"))
     if storage.isdir(path) and storage.listdir(path) and not earlier:
-        raise ValueError(
+        raise ServingError(
             f"export() target {path} is a non-empty directory that is not an estimax export; expected a new "
             "path or an earlier export to replace. Fix: choose another path, e.g. exports/<model>/<step>."
         )
     if storage.exists(path) and not storage.isdir(path):
-        raise ValueError(f"export() target {path} is a file; expected a directory path.")
+        raise ServingError(f"export() target {path} is a file; expected a directory path.")
 
 
 def named(tree, single_name: str, what: str) -> dict:
@@ -143,7 +144,8 @@ def named(tree, single_name: str, what: str) -> dict:
         tree = {single_name: tree}
     for name, leaf in tree.items():
         if not isinstance(name, str) or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise TypeError(
+            kind = SpecError if what == "predictions" else InputKindError  # the model_fn's, else the input's
+            raise kind(
                 f"export() needs {what} as one array or a dict name -> array; {what}[{name!r}] is "
                 f"{type(leaf).__name__}. Fix: flatten nested {what} into one dict with string keys."
             )
@@ -190,7 +192,7 @@ def _trace(model_fn, program_fn, arrays: dict, inputs: dict, platforms):
         jax.errors.ConcretizationTypeError,
         jax.errors.TracerIntegerConversionError,
     ) as error:
-        raise ValueError(
+        raise ServingError(
             f"model_fn {_qualified_name(model_fn)} cannot be exported for any batch size: "
             f"{str(error).strip().splitlines()[0]}. Under export the batch size (params['batch_size'] and "
             f"x.shape[0]) is the symbol '{BATCH}', so Python code that branches on its value cannot be decided. "
@@ -200,7 +202,7 @@ def _trace(model_fn, program_fn, arrays: dict, inputs: dict, platforms):
     text = exported.mlir_module()
     drawn = [op.strip() for op in _RANDOM_OPS if op in text]
     if drawn:
-        raise ValueError(
+        raise ServingError(
             f"model_fn {_qualified_name(model_fn)} draws random numbers in PREDICT mode ({', '.join(drawn)} in "
             "the program); an export would bake a fixed key into every prediction. Fix: make PREDICT "
             "deterministic (dropout and sampling off outside TRAIN)."

@@ -13,6 +13,7 @@ import os
 
 import jax
 
+from estimax.errors import MissingLibraryError
 from estimax.serving import export as export_lib
 
 
@@ -22,7 +23,7 @@ def export(core, state, path: str, features) -> str:
         import tensorflow as tf
         from jax.experimental import jax2tf
     except ImportError as error:
-        raise ImportError(
+        raise MissingLibraryError(
             f"export(format='tf_saved_model') needs TensorFlow ({error}). Fix: pip install 'estimax[tf]'."
         ) from None
     path = os.path.abspath(os.fspath(path))
