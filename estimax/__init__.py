@@ -77,7 +77,7 @@ def __getattr__(name: str):
     if name in _MOVED:
         return importlib.import_module(f"estimax.{name}")  # the alias module warns and hands over
     if name not in _NAMES:
-        raise AttributeError(f"module 'estimax' has no attribute {name!r}")
+        raise _errors.unknown_name("estimax", name, __all__)
     value = getattr(importlib.import_module(_NAMES[name]), name)
     globals()[name] = value  # later lookups skip this function
     return value

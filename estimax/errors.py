@@ -29,8 +29,11 @@ __all__ = [
     "InputError",
     "InputKindError",
     "InputNotFoundError",
+    "InputIndexError",
     "ModelFnError",
     "SpecError",
+    "MissingMethodError",
+    "UnknownNameError",
     "CheckpointError",
     "StorageError",
     "StoreUnavailableError",
@@ -93,6 +96,10 @@ class InputNotFoundError(InputError, NotFoundError):
     """Input files, a pattern or a data directory that match nothing."""
 
 
+class InputIndexError(InputError, IndexError):
+    """A position past the end of a random-access source (``source[n]`` of a source of n records)."""
+
+
 class ModelFnError(EstimaxError, ValueError):
     """The model_fn failed on the input it received, or returned what cannot work."""
 
@@ -101,6 +108,14 @@ class SpecError(ModelFnError, TypeError):
     """What a model_fn returned cannot work: no ``Spec``, a loss or predictions missing, values of
     another type or shape than estimax reads (a scalar where padding must be masked, a metric state
     instead of its inputs, a metric whose ``empty()`` does not fit its states)."""
+
+
+class MissingMethodError(EstimaxError, NotImplementedError):
+    """A subclass of an estimax protocol (a ``Metric``) lacks a method the protocol needs."""
+
+
+class UnknownNameError(EstimaxError, AttributeError):
+    """A name estimax does not have (``estimax.Estimater``); close names are suggested."""
 
 
 class CheckpointError(EstimaxError, ValueError):
@@ -166,6 +181,15 @@ class ServingError(EstimaxError, ValueError):
 
 class ArtifactError(ServingError):
     """An exported model that cannot be loaded: missing, truncated or altered files."""
+
+
+def unknown_name(module: str, name: str, names) -> UnknownNameError:
+    """The error of ``module.name`` for a name the module lacks, with the closest of ``names``."""
+    import difflib  # standard library, light: only when a name is missing
+
+    close = difflib.get_close_matches(name, names, n=3)
+    fix = f" Fix: did you mean {', '.join(close)}?" if close else ""
+    return UnknownNameError(f"module {module!r} has no attribute {name!r}.{fix}")
 
 
 def one_line(error: BaseException) -> str:

@@ -172,6 +172,8 @@ def test_errors_name_the_file_and_the_record(tmp_path):
     path.write_bytes(bytes(data))
     records = arrayrecord.Records(files.expand(path), arrayrecord.Catalog(files.expand(path)))
     assert records[2][2] and len(records) == 6
+    with pytest.raises(ex.InputIndexError, match=r"^Record 6 of an ArrayRecord source of 6 records; expected 0 to 5"):
+        records[6]  # an IndexError too, as the sequence protocol asks
     with pytest.raises(InputError, match=rf"^{path}: record 3 cannot be read \(.*[Cc]orrupt.*\)\. Fix: write the file"):
         records[3]
     truncated = tmp_path / "t.array_record"

@@ -191,6 +191,17 @@ def _records_without_a_feature_of_the_spec(tmp_path, request):
     estimator().train(ex.data.array_record(path, spec, label="label"), max_steps=4)
 
 
+def _a_name_estimax_does_not_have(tmp_path, request):
+    ex.Estimater  # noqa: B018
+
+
+def _a_metric_without_compute(tmp_path, request):
+    class Hits(ex.metrics.Metric):
+        pass
+
+    Hits().compute()
+
+
 MISTAKES = {
     "`eval_batch_size=12` on 8 devices": _batch_size_that_does_not_divide,
     '`best=ex.Best("acc")`': _best_of_a_metric_not_evaluated,
@@ -226,6 +237,8 @@ MISTAKES = {
     "`train_and_evaluate` without `eval_every_steps` or `eval_every_epochs`": _train_and_evaluate_without_eval_every,
     "input files that do not exist": _input_files_that_do_not_exist,
     "records without a feature of the spec (an ArrayRecord or TFRecord file)": _records_without_a_feature_of_the_spec,
+    "`ex.Estimater` (a name estimax does not have)": _a_name_estimax_does_not_have,
+    "a `Metric` subclass without `compute` (or `from_batch`, `empty`, `merge`)": _a_metric_without_compute,
 }
 
 

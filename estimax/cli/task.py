@@ -226,18 +226,22 @@ def parse_value(text: str, default, name: str = "value"):
     """``text`` as a value of ``default``'s type: bool, int, float, str, tuple or list
     (comma-separated or a Python literal); any literal where the default is ``None``."""
     kind = type(default)
+    unlike = ConfigError(
+        f"--set {name}={text}: not a {kind.__name__} like its default {default!r}; "
+        f"expected e.g. --set {name}={_example(default)}."
+    )
     try:
         if isinstance(default, bool):
             lowered = text.strip().lower()
             if lowered not in _BOOLS:
-                raise ValueError
+                raise unlike
             return _BOOLS[lowered]
         if isinstance(default, int | float | str):
             return kind(text)
         if isinstance(default, tuple | list):
             items = ast.literal_eval(text) if text.strip()[:1] in "([" else [t for t in text.split(",") if t.strip()]
             if not isinstance(items, tuple | list):
-                raise ValueError
+                raise unlike
             types = {type(d) for d in default}
             if len(types) == 1 and all(isinstance(i, str) for i in items):
                 items = [parse_value(i, default[0], name) for i in items]
@@ -248,13 +252,10 @@ def parse_value(text: str, default, name: str = "value"):
             return _literal(text)
         value = ast.literal_eval(text)
         if not isinstance(value, kind):
-            raise ValueError
+            raise unlike
         return value
-    except (ValueError, SyntaxError, TypeError):
-        raise ConfigError(
-            f"--set {name}={text}: not a {kind.__name__} like its default {default!r}; "
-            f"expected e.g. --set {name}={_example(default)}."
-        ) from None
+    except (ValueError, SyntaxError, TypeError):  # int("x"), no literal, an item unlike its default (a ConfigError)
+        raise unlike from None
 
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}

@@ -30,7 +30,7 @@ from estimax.data import files as files_lib
 from estimax.data import tfrecord
 from estimax.data.grain import MapSource, file_source
 from estimax.data.tfrecord import Parser, serialize
-from estimax.errors import ConfigError, ConfigTypeError, InputError, StorageError
+from estimax.errors import ConfigError, ConfigTypeError, InputError, InputIndexError, StorageError
 
 # Random access: no read-ahead past the record asked for, no thread pool per reader (Grain's choice).
 READ_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
@@ -135,7 +135,9 @@ class Records:
     def __getitem__(self, position: int):
         position = int(position)
         if not 0 <= position < len(self):
-            raise IndexError(f"record {position} of {len(self)}")  # the sequence protocol: no user's mistake
+            raise InputIndexError(  # an IndexError too: iteration by position ends there
+                f"Record {position} of an ArrayRecord source of {len(self)} records; expected 0 to {len(self) - 1}."
+            )
         file_number = bisect.bisect_right(self._starts, position) - 1
         name, record = self.names[file_number], position - self._starts[file_number]
         try:

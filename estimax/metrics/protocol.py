@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from estimax.errors import ConfigTypeError, EstimaxError, SpecError
+from estimax.errors import ConfigTypeError, EstimaxError, MissingMethodError, SpecError
 
 logger = logging.getLogger("estimax")
 
@@ -47,6 +47,13 @@ def count_true(mask) -> jax.Array:
 def static(default: Any = dataclasses.MISSING):
     """A static config field of a ``Metric`` (hashable aux data, e.g. ``num_classes``)."""
     return dataclasses.field(default=default, metadata={"static": True})
+
+
+def _missing(cls: type, method: str) -> MissingMethodError:
+    return MissingMethodError(
+        f"Metric {cls.__name__} does not define {method}; expected a Metric to define from_batch, empty, merge "
+        f"and compute. Fix: define {cls.__name__}.{method} (the metrics guide shows a whole metric)."
+    )
 
 
 class Metric:
@@ -85,17 +92,17 @@ class Metric:
 
     @classmethod
     def from_batch(cls, *inputs, mask, **config):
-        raise NotImplementedError(f"{cls.__name__}.from_batch")
+        raise _missing(cls, "from_batch")
 
     @classmethod
     def empty(cls, **config):
-        raise NotImplementedError(f"{cls.__name__}.empty")
+        raise _missing(cls, "empty")
 
     def merge(self, other):
-        raise NotImplementedError(f"{type(self).__name__}.merge")
+        raise _missing(type(self), "merge")
 
     def compute(self) -> float | dict[str, float]:
-        raise NotImplementedError(f"{type(self).__name__}.compute")
+        raise _missing(type(self), "compute")
 
 
 class Inputs:

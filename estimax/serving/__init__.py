@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from estimax.errors import unknown_name
+
 if TYPE_CHECKING:
     from estimax.serving.artifact import ArtifactError as ArtifactError
     from estimax.serving.artifact import ExportedModel as ExportedModel
@@ -24,7 +26,7 @@ __all__ = ["ArtifactError", "ExportedModel", "load"]
 
 def __getattr__(name: str):
     if name not in __all__:
-        raise AttributeError(f"module 'estimax.serving' has no attribute {name!r}")
+        raise unknown_name("estimax.serving", name, __all__)
     value = getattr(importlib.import_module("estimax.serving.artifact"), name)
     globals()[name] = value  # later lookups skip this function
     return value
