@@ -157,9 +157,13 @@ class Checkpointer:
 
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether a save is due after the loop ``step_before`` -> ``step_after`` (``SaveSchedule``)."""
-        if self.read_only or not self._manager.is_saving_in_progress():
+        if not self._manager.is_saving_in_progress():
             self.schedule.finished()
         return self.schedule.due(step_before, step_after)
+
+    def clock_decides(self, step_before: int, step_after: int) -> bool:
+        """Whether ``due`` reads this process's clock here (with several processes: process 0's decides)."""
+        return self.schedule.depends_on_clock(step_before, step_after)
 
     def save(self, step: int, state, input_state=None, metrics: dict | None = None, loop: str | None = None) -> None:
         """Starts a save of ``state`` at ``step``; returns once the state is copied off the devices.

@@ -153,7 +153,7 @@ class Estimator:
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
         """
         input = self._checks.train(input)
-        self._trainer.train(input, (max_steps, steps, epochs), hooks)
+        self._trainer.train(input, (max_steps, steps, epochs), self._trainer.hooks(hooks))
         return self
 
     @calls.one_thread_at_a_time

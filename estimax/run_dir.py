@@ -200,6 +200,9 @@ class NoCheckpoints:
     def due(self, step_before: int, step_after: int) -> bool:
         return False
 
+    def clock_decides(self, step_before: int, step_after: int) -> bool:
+        return False
+
     def restore(self, abstract_state, step: int | None = None):
         raise ConfigError(
             f"checkpoint={step} is a step, but RunConfig(model_dir=None) has no checkpoints; expected a "

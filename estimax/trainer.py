@@ -74,13 +74,13 @@ class Trainer:
         self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None
     ) -> TrainingLoop | None:
         """Trains over ``input`` for ``lengths`` (``(max_steps, steps, epochs)``, one of them set);
-        returns the loop that ran, or ``None`` when the state is already at the target step."""
-        hooks = validation.check_hooks(hooks)
+        returns the loop that ran, or ``None`` when the state is already at the target step. ``hooks``:
+        as ``hooks()`` gave them."""
         self.plan.check(TRAIN, EVAL, PREDICT)
         with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
             return self._train(input, lengths, hooks, evaluation)
 
-    def _train(self, input, lengths: tuple, hooks: list[Hook], evaluation: Evaluation | None):
+    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None):
         state = self.current.current()
         if jax.process_count() > 1:
             self.sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside

@@ -209,7 +209,7 @@ class TrainingLoop:
         """Whether a save is due here: the same answer on every process (process 0's, where it
         depends on the clock: ``every_seconds``, ``max_overhead``), or their barriers would part."""
         due = self.checkpointer.due(before, step)
-        if self.checkpointer.saves and self.checkpointer.schedule.depends_on_clock(before, step):
+        if self.checkpointer.clock_decides(before, step):
             due = self.sync.share(f"whether the checkpoint of step {step} is due", "due" if due else "") == "due"
         return due
 
