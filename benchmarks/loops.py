@@ -19,10 +19,12 @@ numpy arrays, a fresh permutation per epoch, rows gathered per batch):
   ``--estimax arrays,arrays_model_dir`` times only some of the four.
 
 Each contender is warmed up first (compilation excluded), then timed windows
-alternate between contenders for a few rounds; the best steps/s of each is
+alternate between contenders for a few rounds (each round starting with the next one); the best steps/s of each is
 kept (every round's are in ``steps_per_sec_rounds``). One JSON line per workload goes to stdout, with
 ``ratio_<input> = estimax / max(jit_step, jit_scan)`` for each input (target
->= 0.95), the loop ``auto`` chose, and per contender the achieved TFLOP/s by
+>= 0.95), the same ratio paired within each round (``ratio_<input>_rounds``: min,
+median, max over rounds), a model_dir against none paired within each round
+(``model_dir_vs_none_<input>_rounds``), the loop ``auto`` chose, and per contender the achieved TFLOP/s by
 the compiler's count of the hand-written step, the MFU where the device's
 peak is known (``estimax/flops.py``) and tokens/s for the token models.
 
@@ -333,11 +335,29 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
     for run, warmup, _ in contenders.values():
         run(warmup)
     rates = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, (run, _, steps) in contenders.items():
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one later: no fixed order
+            run, _, steps = contenders[name]
             rates[name].append(steps_per_sec(run, steps))
     best = {name: max(values) for name, values in rates.items()}
     reference = max(best["jit_step"], best["jit_scan"])
+    # Paired within each round (the same minutes of the machine): estimax against the faster reference, and
+    # a model_dir against none on the same input.
+    round_reference = [max(pair) for pair in zip(rates["jit_step"], rates["jit_scan"], strict=True)]
+    paired = {
+        f"ratio_{input}_rounds": spread(
+            [a / b for a, b in zip(rates[f"estimax_{input}"], round_reference, strict=True)]
+        )
+        for input in estimators
+    }
+    paired |= {
+        f"model_dir_vs_none_{input}_rounds": spread(
+            [a / b for a, b in zip(rates[f"estimax_{input}_model_dir"], rates[f"estimax_{input}"], strict=True)]
+        )
+        for input in ("arrays", "iterable")
+        if f"{input}_model_dir" in estimators and input in estimators
+    }
     return {
         "workload": w.name,
         "device": jax.devices()[0].device_kind,
@@ -348,8 +368,15 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
         "steps_per_sec_rounds": {name: [round(v, 1) for v in values] for name, values in rates.items()},
         "estimax_loop": {input: est.compiled().loop for input, (_, est) in estimators.items()},
         **{f"ratio_{input}": round(best[f"estimax_{input}"] / reference, 3) for input in estimators},
+        **paired,
         **model_rates(w, x, y, best),
     }
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """min, median and max of per-round ratios."""
+    ordered = sorted(values)
+    return {"min": round(ordered[0], 3), "median": round(float(np.median(ordered)), 3), "max": round(ordered[-1], 3)}
 
 
 def model_rates(w: Workload, x, y, best: dict[str, float]) -> dict:

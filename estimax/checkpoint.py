@@ -67,6 +67,8 @@ class Checkpointer:
         self.read_only = read_only
         self._best = best
         self._manager = self._open(read_only)
+        self._manager_writable = not read_only  # Orbax's manager may save and delete (``open_for_writing``)
+        self._names_read: list[str] | None = None  # a local folder's names when Orbax last read its steps
         self._checksums = jax.jit(checksums)
         self.schedule = SaveSchedule(self.policy)
         self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
@@ -104,9 +106,14 @@ class Checkpointer:
         cleaned up, and the damaged steps a restore found are moved aside (by ``primary`` only, the
         one process that renames for a group)."""
         if self.read_only:
-            unfinished = self._unfinished_steps() if primary else []
-            self._manager.close()
-            self._manager, self.read_only = self._open(False), False  # Orbax removes unfinished saves
+            unfinished = self._unfinished_steps() if primary else []  # lists again: what others wrote is seen
+            # One process that wrote here last, with nothing left unfinished since, goes on with the manager it
+            # kept (its view was just reloaded); otherwise Orbax opens again and removes unfinished saves.
+            if unfinished or not self._manager_writable or jax.process_count() > 1:
+                with contextlib.suppress(Exception):  # idle, or its failed save was reported: discarded
+                    self._manager.close()
+                self._manager = self._open(False)
+            self.read_only, self._manager_writable = False, True
             for step in unfinished:
                 logger.warning(
                     "The save of step %d in %s never finished (the process writing it stopped): removed; the "
@@ -127,16 +134,33 @@ class Checkpointer:
         return sorted({int(match[1]) for match in names if match} - set(self.steps()))  # steps() reloads
 
     def close_for_writing(self) -> None:
-        """Back to a read-only view (the caller releases the lock): saves in flight complete first."""
+        """Back to a read-only view (the caller releases the lock): saves in flight complete first.
+        The writable manager is kept for this process's next ``open_for_writing``; nothing is saved
+        or deleted through it meanwhile (``save`` refuses), and reads list the store again."""
         if not self.read_only:
-            with self._disk_errors():
-                self._manager.close()
-            self._manager, self.read_only = self._open(True), True
+            self.read_only = True
+            try:
+                self.wait()
+            except BaseException:
+                self._manager_writable = False  # a failed save: Orbax opens afresh next time
+                raise
+            self._names_read = self._local_names()  # the writer's own view is current: no need to read it again
 
     def refresh(self) -> None:
-        """Lists the step directories again (another process, or the group's primary, changed them)."""
+        """Lists the step directories again (another process, or the group's primary, changed them).
+        On a local disk, where Orbax commits a step by renaming its folder, Orbax reads the steps
+        again only when the folder's names changed."""
+        names = self._local_names()
+        if names is not None and names == self._names_read:
+            return
         storage.forget_listings(self.directory)
         storage.bounded("listing the checkpoints", self.directory, self._manager.reload)
+        self._names_read = names
+
+    def _local_names(self) -> list[str] | None:
+        """The names in a local checkpoints folder; ``None`` on a bucket (a step is committed by a
+        marker inside its folder, so the names alone do not tell)."""
+        return None if storage.is_url(self.directory) else storage.listdir(self.directory)
 
     def steps(self) -> list[int]:
         if self.read_only:

@@ -7,7 +7,7 @@ shapes of the first batch of the call's input: nothing is compiled,
 allocated or evaluated): TRAIN for ``train``, also EVAL for
 ``train_and_evaluate`` (scalars where the input may pad a batch; the metric
 names that ``Best`` and early stopping refer to), EVAL for ``evaluate``,
-PREDICT for ``predict``. Batch sizes are checked by ``data/plan.py``,
+PREDICT for ``predict``; each mode and batch shape once per Estimator. Batch sizes are checked by ``data/plan.py``,
 writability by ``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
 """
 
@@ -125,10 +125,15 @@ class ModeChecks:
 
     def __init__(self, core, abstract_state, plan):
         self.core, self.abstract_state, self.plan = core, abstract_state, plan
+        self._traced: dict = {}  # (mode, batch shapes) -> what tracing gave: each is traced once
 
-    def _trace(self, fn, batch, batch_size: int):
-        with jax.set_mesh(self.plan.layout.mesh):  # modules that declare shardings need a mesh to trace
-            return jax.eval_shape(fn, self.abstract_state, abstract_batch(batch, batch_size))
+    def _trace(self, mode: str, fn, batch, batch_size: int):
+        abstract = abstract_batch(batch, batch_size)
+        key = (mode, jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract)))
+        if key not in self._traced:
+            with jax.set_mesh(self.plan.layout.mesh):  # modules that declare shardings need a mesh to trace
+                self._traced[key] = jax.eval_shape(fn, self.abstract_state, abstract)
+        return self._traced[key]
 
     def train(self, input):
         """TRAIN mode, on micro-batches where gradients are accumulated."""
@@ -136,7 +141,10 @@ class ModeChecks:
         if batch is not None:
             micro_batch_size = self.plan.global_batch(TRAIN) // self.core.grad_accum_steps
             self._trace(
-                lambda s, b: self.core.call(s.params, s, b, TRAIN, micro_batch_size)[0].loss, batch, micro_batch_size
+                TRAIN,
+                lambda s, b: self.core.call(s.params, s, b, TRAIN, micro_batch_size)[0].loss,
+                batch,
+                micro_batch_size,
             )
         return input
 
@@ -147,7 +155,7 @@ class ModeChecks:
         if batch is None:
             return input
         batch_size = self.plan.global_batch(EVAL)
-        values, _ = self._trace(self.core.eval_values, batch, batch_size)
+        values, _ = self._trace(EVAL, self.core.eval_values, batch, batch_size)
         scalars = sorted(k for k, v in values.items() if not metrics_lib.is_metric_inputs(v) and not v.shape)
         why = padding(input, batch_size)
         if scalars and why is not None:
@@ -165,7 +173,7 @@ class ModeChecks:
         """PREDICT mode, with the labels the input has (none, mostly)."""
         batch, input = peek(input)
         if batch is not None:
-            self._trace(self.core.predict_step, batch, self.plan.global_batch(PREDICT))
+            self._trace(PREDICT, self.core.predict_step, batch, self.plan.global_batch(PREDICT))
         return input
 
 

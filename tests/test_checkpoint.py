@@ -103,6 +103,24 @@ def test_a_save_stopped_before_it_finished_is_removed_with_a_warning_and_saved_a
         np.testing.assert_array_equal(value, at_12[name])
 
 
+def test_what_another_estimator_wrote_between_two_train_calls_is_seen(model_dir, estimax_log):
+    # The first Estimator keeps its writer between calls; the steps another one saved meanwhile, and a
+    # save of it that was killed before it finished, are seen when the first trains again.
+    first = estimator(model_dir, save_every_steps=4)
+    first.train(DATA, max_steps=8)
+    estimator(model_dir, save_every_steps=4).train(DATA, max_steps=16)
+    root = os.path.join(model_dir, "checkpoints")
+    os.rename(os.path.join(root, "16"), os.path.join(root, "16.orbax-checkpoint-tmp-1764000000"))
+    assert first.step == 12  # the newest finished checkpoint, not the first's own step 8
+    first.train(DATA, max_steps=20)
+    assert f"The save of step 16 in {root} never finished" in estimax_log.text
+    assert "Training steps 12 -> 20" in estimax_log.text
+    assert sorted(os.listdir(root)) == ["12", "16", "20"]
+    reader = estimator(model_dir, save_every_steps=4)
+    first.train(DATA, max_steps=24)
+    assert reader.step == 24 and _steps(model_dir) == [16, 20, 24]
+
+
 def test_altered_checksums_are_detected(model_dir):
     import json
 

@@ -157,3 +157,26 @@ def test_export_to_a_missing_bucket_names_the_url(s3):
     ):
         with pytest.warns(ex.UntrainedWarning):
             _estimator().export("s3://absent-bucket/model", example_features={"x": features["x"][:1]})
+
+
+def test_each_mode_and_batch_shape_is_traced_once_per_estimator():
+    # A second call with the input's shapes traces the model_fn neither for its checks nor to compile.
+    modes = []
+
+    def counting_fn(model, features, labels, mode, params):
+        modes.append(mode)
+        return model_fn(model, features, labels, mode, params)
+
+    est = _estimator(counting_fn, steps_per_loop=4)
+    data = ex.data.from_arrays(*blobs(256))
+    est.train(data, steps=4)
+    est.evaluate(data)
+    traced = len(modes)
+    est.train(data, steps=4)
+    est.evaluate(data)
+    assert len(modes) == traced
+    est.train(ex.data.from_arrays({"x": np.zeros((256, 6), np.float32)}, np.zeros(256, np.int32)), steps=4)
+    assert len(modes) == traced  # the same shapes from another input
+    features, labels = blobs(64)
+    est.evaluate(ex.data.from_arrays({"x": features["x"].astype(np.float16)}, labels))  # another dtype is traced
+    assert len(modes) > traced
