@@ -181,7 +181,7 @@ class Checkpointer:
 
     def due(self, step_before: int, step_after: int) -> bool:
         """Whether a save is due after the loop ``step_before`` -> ``step_after`` (``SaveSchedule``)."""
-        if not self._manager.is_saving_in_progress():
+        if self.schedule.in_flight and not self._manager.is_saving_in_progress():  # Orbax asked only then
             self.schedule.finished()
         return self.schedule.due(step_before, step_after)
 

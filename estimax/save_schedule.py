@@ -35,6 +35,11 @@ class SaveSchedule:
     def started(self) -> None:
         self._started, self._in_flight = time.monotonic(), True
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save was started and not yet seen committed."""
+        return self._in_flight
+
     def finished(self) -> None:
         """The save started last is committed (seen now: at a loop boundary, or after a wait)."""
         if self._in_flight:

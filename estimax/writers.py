@@ -192,7 +192,7 @@ class ConsoleWriter:
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if split in ("summary", "resize"):  # the training loop logs its own lines for these
             return
-        if split != "train" or self.train_lines:
+        if (split != "train" or self.train_lines) and logger.isEnabledFor(logging.INFO):  # formatted only if shown
             logger.info("%s step %d  %s", split, step, format_values(values))
 
     def close(self) -> None:
