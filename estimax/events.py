@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from estimax.tfrecord_framing import frame
+from estimax.tfrecord_framing import frame, frames
 
 # Field keys of tensorflow.Event and tensorflow.Summary(.Value): (field number << 3) | wire type.
 _WALL_TIME, _STEP, _FILE_VERSION, _SUMMARY, _SESSION_LOG = b"\x09", b"\x10", b"\x1a", b"\x2a", b"\x3a"
@@ -79,15 +79,63 @@ class ScalarEncoder:
 
     def steps(self, first_step: int, columns: Mapping[str, np.ndarray], skip_nan: Iterable[str] = ()) -> bytes:
         """One event per step from ``first_step``: ``columns`` maps each tag to its per-step values.
-        Tags in ``skip_nan`` have no point where they are NaN (values measured on some steps only)."""
+        Tags in ``skip_nan`` have no point where they are NaN (values measured on some steps only).
+
+        The steps whose points have the same tags (all but a few of a loop) are encoded together
+        with numpy; the others one by one (``event``)."""
         wall_time = time.time()
-        rows = {tag: np.asarray(values, np.float64).tolist() for tag, values in columns.items()}
-        sampled = [tag for tag in skip_nan if tag in rows]
-        records = []
-        for i in range(len(next(iter(rows.values()), ()))):
-            point = {tag: values[i] for tag, values in rows.items() if tag not in sampled or values[i] == values[i]}
-            records.append(self.event(first_step + i, point, wall_time))
-        return b"".join(records)
+        tags = list(columns)
+        if not tags:
+            return b""
+        values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags])
+        sampled = [i for i, tag in enumerate(tags) if tag in set(skip_nan)]
+        kept = [i for i in range(len(tags)) if i not in sampled]
+        # Rows where every sampled value is NaN have exactly the kept tags.
+        alike = np.isnan(values[:, sampled]).all(axis=1) if sampled else np.ones(len(values), bool)
+        parts, start = [], 0
+        for stop in [*(np.flatnonzero(np.diff(alike)) + 1).tolist(), len(values)]:  # runs of equal `alike`
+            if alike[start] and kept:
+                parts.append(
+                    self._alike(first_step + start, [tags[i] for i in kept], values[start:stop, kept], wall_time)
+                )
+            else:
+                for i in range(start, stop):
+                    point = {
+                        tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip_nan
+                    }
+                    parts.append(self.event(first_step + i, point, wall_time))
+            start = stop
+        return b"".join(parts)
+
+    def _alike(self, first_step: int, tags: list[str], values: np.ndarray, wall_time: float) -> bytes:
+        """Events of ``values`` (one row per step from ``first_step``, a column per tag), as ``event``
+        encodes them, built as one byte array per length of the step's varint."""
+        steps = np.arange(first_step, first_step + len(values), dtype=np.int64)
+        widths = 1 + (steps[:, None] >= (1 << (7 * np.arange(1, 9, dtype=np.int64)))).sum(axis=1)
+        prefixes = [self._value_prefix(tag) for tag in tags]
+        summary = sum(len(prefix) + 4 for prefix in prefixes)
+        head, tail = _WALL_TIME + struct.pack("<d", wall_time) + _STEP, _SUMMARY + _varint(summary)
+        floats = values.astype("<f4")
+        parts = []
+        for width in np.unique(widths).tolist():  # steps ascend: each width is one run of rows
+            rows = widths == width
+            count = int(rows.sum())
+            data = np.empty((count, len(head) + width + len(tail) + summary), np.uint8)
+            data[:, : len(head)] = np.frombuffer(head, np.uint8)
+            at = len(head)
+            for j in range(width):  # the step's varint: 7 bits a byte, the high bit on all but the last
+                data[:, at + j] = ((steps[rows] >> (7 * j)) & 0x7F) | (0x80 if j < width - 1 else 0)
+            at += width
+            data[:, at : at + len(tail)] = np.frombuffer(tail, np.uint8)
+            at += len(tail)
+            for k, prefix in enumerate(prefixes):
+                data[:, at : at + len(prefix)] = np.frombuffer(prefix, np.uint8)
+                data[:, at + len(prefix) : at + len(prefix) + 4] = (
+                    np.ascontiguousarray(floats[rows, k]).view(np.uint8).reshape(count, 4)
+                )
+                at += len(prefix) + 4
+            parts.append(frames(data))
+        return b"".join(parts)
 
 
 def file_name() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 
 import google_crc32c
+import numpy as np
 
 
 def masked_crc(data: bytes) -> int:
@@ -21,3 +22,18 @@ def frame(data: bytes) -> bytes:
     """``data`` as one TFRecord: length, CRC of the length, data, CRC of the data."""
     length = struct.pack("<Q", len(data))
     return length + struct.pack("<I", masked_crc(length)) + data + struct.pack("<I", masked_crc(data))
+
+
+def frames(records: np.ndarray) -> bytes:
+    """Each row of ``records`` (``uint8``, one record of the same size per row) framed as ``frame``
+    does, in order: many records for the cost of one CRC call each."""
+    count, size = records.shape
+    length = struct.pack("<Q", size)
+    blob = records.tobytes()
+    crcs = np.fromiter((google_crc32c.value(blob[i : i + size]) for i in range(0, len(blob), size)), np.uint32, count)
+    masked = ((crcs >> 15) | (crcs << 17)) + np.uint32(0xA282EAD8)  # uint32: wraps as the & does in masked_crc
+    out = np.empty((count, 12 + size + 4), np.uint8)
+    out[:, :12] = np.frombuffer(length + struct.pack("<I", masked_crc(length)), np.uint8)
+    out[:, 12:-4] = records
+    out[:, -4:] = masked.astype("<u4").view(np.uint8).reshape(count, 4)
+    return out.tobytes()

@@ -1,6 +1,7 @@
 """Writers off the training thread: each file or tracker writer runs on a thread of its own.
 
-Training hands a writer its records through a bounded queue and goes on: a
+Training hands a writer its records through a bounded queue and goes on (the
+thread writes them every ``BATCH_SECONDS``, not at each record): a
 slow disk, a bucket or a tracker's server costs the device no time, and a
 full disk or a dead server never blocks training. A writer that fails stops
 taking records; the next record handed to it (or ``close``) raises a
@@ -30,6 +31,9 @@ class InBackground:
 
     PUT_TIMEOUT = 60.0
     CLOSE_TIMEOUT = 120.0
+    # The thread wakes this often (at once to close, or when the queue fills) and writes what it was handed
+    # since: a wake-up per record would take Python's lock from the training thread after every loop.
+    BATCH_SECONDS = 0.25
 
     def __init__(self, writer, where: str, writable=lambda: True, max_pending: int = 1024):
         self.writer, self.where, self.writable = writer, where, writable
@@ -37,6 +41,7 @@ class InBackground:
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._error: BaseException | None = None
         self._closed = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"estimax {type(writer).__name__}", daemon=True)
         self._thread.start()
 
@@ -51,6 +56,8 @@ class InBackground:
 
     def _put(self, call) -> None:
         self._raise_if_failed()
+        if self._queue.qsize() >= self._queue.maxsize // 2:
+            self._wake.set()
         try:
             self._queue.put(call, timeout=self.PUT_TIMEOUT)
         except queue.Full:
@@ -61,17 +68,23 @@ class InBackground:
             ) from None
 
     def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _CLOSE:
-                break
-            if self._error is not None or not self.writable():
-                continue  # failed, or the model_dir's lease is lost (training says so): records are dropped
-            function, args = item
-            try:
-                function(*args)
-            except BaseException as error:  # noqa: BLE001 - handed to the training thread
-                self._error = error
+        closing = False
+        while not closing:
+            self._wake.wait(self.BATCH_SECONDS)
+            self._wake.clear()
+            while not closing:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                closing = item is _CLOSE
+                if closing or self._error is not None or not self.writable():
+                    continue  # failed, or the model_dir's lease is lost (training says so): records are dropped
+                function, args = item
+                try:
+                    function(*args)
+                except BaseException as error:  # noqa: BLE001 - handed to the training thread
+                    self._error = error
         if self._error is None and self.writable():
             try:
                 self.writer.close()
@@ -99,6 +112,7 @@ class InBackground:
             self._closed = True
             try:
                 self._queue.put(_CLOSE, timeout=self.CLOSE_TIMEOUT)
+                self._wake.set()
                 self._thread.join(self.CLOSE_TIMEOUT)
             except queue.Full:
                 pass

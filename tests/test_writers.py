@@ -72,6 +72,30 @@ def test_encoded_events_equal_the_protobuf_messages():
     assert (start.step, start.wall_time, start.session_log.status) == (2**33 + 1, 99.0, event_pb2.SessionLog.START)
 
 
+@pytest.mark.parametrize("first_step", [1, 100, 16_370, 2**35 - 3])  # the step's varint grows within a loop
+def test_a_loops_points_encoded_together_equal_one_event_per_step(first_step, monkeypatch):
+    from tensorboard.compat.proto import event_pb2
+
+    monkeypatch.setattr(events.time, "time", lambda: 1234.5)
+    rng = np.random.default_rng(0)
+    loss, sampled = rng.standard_normal(50), np.full(50, np.nan)
+    sampled[[7, 49]] = 2.5, 3.5  # measured on some steps only
+    encoder, one_by_one = events.ScalarEncoder(), events.ScalarEncoder()
+    data = encoder.steps(first_step, {"loss": loss, "grad_norm": sampled, "lr": loss * 2}, skip_nan=("grad_norm",))
+    expected = [
+        one_by_one.event(first_step + i, {"loss": v, **({"grad_norm": g} if g == g else {}), "lr": 2 * v}, 1234.5)
+        for i, (v, g) in enumerate(zip(loss.tolist(), sampled.tolist(), strict=True))
+    ]
+    assert data == b"".join(expected)
+    read, at = [], 0
+    while at < len(data):  # TFRecords: length, its CRC, the event, its CRC
+        size = int.from_bytes(data[at : at + 8], "little")
+        read.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + size]))
+        at += size + 16
+    assert [e.step for e in read] == list(range(first_step, first_step + 50))
+    assert read[7].summary.value[1].tag == "grad_norm" and len(read[8].summary.value) == 2
+
+
 def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     for step in (1, 2):
