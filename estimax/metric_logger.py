@@ -120,6 +120,12 @@ class MetricLogger(Hook):
         self._write(self.writers + self.step_writers, "summary", summary.step, {**values, **summary.metrics})
         self.close()
 
+    def write_now(self) -> None:
+        """The writers on threads of their own write what they were handed, without waiting for their
+        next batch (training saves a checkpoint: its steps' records go to disk before it is committed)."""
+        for writer in self.writers + self.step_writers:
+            getattr(writer, "wake", lambda: None)()
+
     def close(self, raise_errors: bool = True) -> None:
         """Closes every writer (once; ``end`` does): the file writers write what they hold. With
         ``raise_errors`` false (training failed: that error is the one to report) a writer's own

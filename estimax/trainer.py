@@ -105,7 +105,7 @@ class Trainer:
             runner, self.run_dir.checkpoints, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
             skip_nonfinite=self.config.skip_nonfinite, sync=self.sync, saved_position=self.plan.saved_position,
             profiler=Profiler(self.config.profile_steps, self.run_dir.profile_dir, start, target),
-            fence=self.run_dir.fence,
+            fence=self.run_dir.fence, records_due=metric_logger.write_now,
         )  # fmt: skip
         info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url)
         with feed.Prefetch(chunks) as chunks:

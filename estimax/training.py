@@ -101,8 +101,10 @@ class TrainingLoop:
         sync: Sync | None = None,
         saved_position: Callable = lambda position: position,
         fence: Callable[[], None] = lambda: None,
+        records_due: Callable[[], None] = lambda: None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
+        self.records_due = records_due  # the writers write what they hold now: a checkpoint is about to be saved
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
         self.saved_position = saved_position  # what a checkpoint keeps of the input's position
@@ -199,6 +201,10 @@ class TrainingLoop:
                     unread = None
                 stop |= self._evaluate(evaluation, state, current, preemption)
         if due:
+            if unread is not None:  # the save waits for this loop anyway: its records go first, untimed
+                stop |= self._after_loop(current, 0.0, untimed=True)
+                unread = None
+            self.records_due()  # a checkpoint's steps have their records written before it is committed
             self._save(state, current)
         if stop:
             self.stopped = True

@@ -31,7 +31,7 @@ class InBackground:
 
     PUT_TIMEOUT = 60.0
     CLOSE_TIMEOUT = 120.0
-    # The thread wakes this often (at once to close, or when the queue fills) and writes what it was handed
+    # The thread wakes this often (at once to close, when the queue fills, or on ``wake``) and writes what it was handed
     # since: a wake-up per record would take Python's lock from the training thread after every loop.
     BATCH_SECONDS = 0.25
 
@@ -53,6 +53,10 @@ class InBackground:
 
     def write_steps(self, split: str, first_step: int, columns, sampled=()) -> None:
         self._put((self.writer.write_steps, (split, first_step, columns, sampled)))
+
+    def wake(self) -> None:
+        """Writes what was handed so far now, on the writer's thread, not at its next batch."""
+        self._wake.set()
 
     def _put(self, call) -> None:
         self._raise_if_failed()
