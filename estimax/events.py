@@ -88,7 +88,8 @@ class ScalarEncoder:
         if not tags:
             return b""
         values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags])
-        sampled = [i for i, tag in enumerate(tags) if tag in set(skip_nan)]
+        skip = set(skip_nan)
+        sampled = [i for i, tag in enumerate(tags) if tag in skip]
         kept = [i for i in range(len(tags)) if i not in sampled]
         # Rows where every sampled value is NaN have exactly the kept tags.
         alike = np.isnan(values[:, sampled]).all(axis=1) if sampled else np.ones(len(values), bool)
@@ -96,18 +97,18 @@ class ScalarEncoder:
         for stop in [*(np.flatnonzero(np.diff(alike)) + 1).tolist(), len(values)]:  # runs of equal `alike`
             if alike[start] and kept:
                 parts.append(
-                    self._alike(first_step + start, [tags[i] for i in kept], values[start:stop, kept], wall_time)
+                    self._same_tags(first_step + start, [tags[i] for i in kept], values[start:stop, kept], wall_time)
                 )
             else:
                 for i in range(start, stop):
                     point = {
-                        tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip_nan
+                        tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip
                     }
                     parts.append(self.event(first_step + i, point, wall_time))
             start = stop
         return b"".join(parts)
 
-    def _alike(self, first_step: int, tags: list[str], values: np.ndarray, wall_time: float) -> bytes:
+    def _same_tags(self, first_step: int, tags: list[str], values: np.ndarray, wall_time: float) -> bytes:
         """Events of ``values`` (one row per step from ``first_step``, a column per tag), as ``event``
         encodes them, built as one byte array per length of the step's varint."""
         steps = np.arange(first_step, first_step + len(values), dtype=np.int64)
