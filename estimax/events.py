@@ -90,7 +90,7 @@ class ScalarEncoder:
         values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags])
         skip = set(skip_nan)
         sampled = [i for i, tag in enumerate(tags) if tag in skip]
-        kept = [i for i in range(len(tags)) if i not in sampled]
+        kept = [i for i, tag in enumerate(tags) if tag not in skip]
         # Rows where every sampled value is NaN have exactly the kept tags.
         alike = np.isnan(values[:, sampled]).all(axis=1) if sampled else np.ones(len(values), bool)
         parts, start = [], 0

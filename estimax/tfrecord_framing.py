@@ -14,7 +14,11 @@ import numpy as np
 
 
 def masked_crc(data: bytes) -> int:
-    crc = google_crc32c.value(data)
+    return _masked(google_crc32c.value(data))
+
+
+def _masked(crc):
+    """TFRecord's mask of a CRC32C: of an int, or of each of a numpy ``uint32`` array's."""
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
@@ -31,7 +35,7 @@ def frames(records: np.ndarray) -> bytes:
     length = struct.pack("<Q", size)
     blob = records.tobytes()
     crcs = np.fromiter((google_crc32c.value(blob[i : i + size]) for i in range(0, len(blob), size)), np.uint32, count)
-    masked = ((crcs >> 15) | (crcs << 17)) + np.uint32(0xA282EAD8)  # uint32: wraps as the & does in masked_crc
+    masked = _masked(crcs)
     out = np.empty((count, 12 + size + 4), np.uint8)
     out[:, :12] = np.frombuffer(length + struct.pack("<I", masked_crc(length)), np.uint8)
     out[:, 12:-4] = records

@@ -193,17 +193,15 @@ class TrainingLoop:
             self.profiler.after_loop(step, state)
             if preemption.requested(step, since=before):
                 return unread, True
-        if evaluation is not None and counting.crossed(evaluation.every_steps, before, step):
-            # A failed evaluation ends training: the state it evaluated is saved first.
-            with self._saving_on_error(state, current, due or self.checkpointer.saves):
-                if unread is not None:  # the evaluation waits for this loop anyway: report it, untimed
-                    stop |= self._after_loop(current, 0.0, untimed=True)
-                    unread = None
-                stop |= self._evaluate(evaluation, state, current, preemption)
-        if due:
-            if unread is not None:  # the save waits for this loop anyway: its records go first, untimed
+        evaluating = evaluation is not None and counting.crossed(evaluation.every_steps, before, step)
+        # A failed evaluation ends training: the state it evaluated is saved first.
+        with self._saving_on_error(state, current, due or evaluating and self.checkpointer.saves):
+            if unread is not None and (evaluating or due):  # they wait for this loop anyway: report it, untimed
                 stop |= self._after_loop(current, 0.0, untimed=True)
                 unread = None
+            if evaluating:
+                stop |= self._evaluate(evaluation, state, current, preemption)
+        if due:
             self.records_due()  # a checkpoint's steps have their records written before it is committed
             self._save(state, current)
         if stop:
