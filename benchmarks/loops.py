@@ -36,7 +36,8 @@ picks the scan.
 Run: ``python benchmarks/loops.py`` (about 15 minutes on 2 cores);
 ``--workloads mlp,lstm`` picks workloads, ``--quick`` is a < 1 minute smoke run
 whose numbers are not meaningful. On a GPU: ``python benchmarks/loops.py
---workloads gpt2,lm,cnn,digits --estimax arrays,arrays_model_dir``.
+--workloads gpt2,lm,cnn,digits --estimax arrays,arrays_model_dir --window-seconds 5``
+(windows sized to about 5 s each at the faster hand-written loop's rate).
 """
 
 from __future__ import annotations
@@ -318,7 +319,9 @@ def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
 ESTIMAX_VARIANTS = ("arrays", "arrays_model_dir", "iterable", "iterable_model_dir")
 
 
-def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIANTS) -> dict:
+def benchmark(
+    w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIANTS, window_seconds: float | None = None
+) -> dict:
     x, y = w.data()
     estimators = {
         f"{input}{suffix}": estimax_runner(w, x, y, input, model_dir)
@@ -334,12 +337,18 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
     }
     for run, warmup, _ in contenders.values():
         run(warmup)
+    if window_seconds:  # every contender's window sized to about this long at the faster reference's rate
+        rate = max(steps_per_sec(contenders[name][0], 2 * w.k) for name in ("jit_step", "jit_scan"))
+        steps = w.k * max(1, round(window_seconds * rate / w.k))
+        contenders = {name: (run, warmup, steps) for name, (run, warmup, _) in contenders.items()}
     rates = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one later: no fixed order
             run, _, steps = contenders[name]
             rates[name].append(steps_per_sec(run, steps))
+        progress = {name: round(values[-1], 2) for name, values in rates.items()}
+        print(f"{w.name} round {r + 1} steps/s: {json.dumps(progress)}", file=sys.stderr, flush=True)
     best = {name: max(values) for name, values in rates.items()}
     reference = max(best["jit_step"], best["jit_scan"])
     # Paired within each round (the same minutes of the machine): estimax against the faster reference, and
@@ -364,6 +373,7 @@ def benchmark(w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIAN
         "batch": w.batch,
         "steps_per_loop": w.k,
         "compute_dtype": w.compute_dtype,
+        "window_steps": {name: steps for name, (_, _, steps) in contenders.items()},
         **{f"{name}_steps_per_sec": round(value, 2) for name, value in best.items()},
         "steps_per_sec_rounds": {name: [round(v, 1) for v in values] for name, values in rates.items()},
         "estimax_loop": {input: est.compiled().loop for input, (_, est) in estimators.items()},
@@ -410,6 +420,12 @@ def main(argv=None) -> None:
         help="the estimax runs to time: comma-separated subset of " + ", ".join(ESTIMAX_VARIANTS),
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed windows per contender (best is kept)")
+    parser.add_argument(
+        "--window-seconds",
+        type=float,
+        help="size every timed window to about this many seconds (for accelerators, where the CPU-sized "
+        "windows last milliseconds); default: each workload's fixed steps",
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
     unknown = sorted(set(names) - WORKLOADS.keys())
@@ -424,7 +440,10 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as model_dirs:
         for name in names:
             w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
-            print(json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs, variants)), flush=True)
+            print(
+                json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs, variants, args.window_seconds)),
+                flush=True,
+            )
     print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)
 
 

@@ -87,14 +87,25 @@ class Attention(nnx.Module):
         self.value = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
         self.out = nnx.Linear(dim, dim, use_bias=False, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, fused: bool = True) -> jax.Array:
         batch, length, dim = x.shape
         heads = lambda y: y.reshape(batch, length, self.num_heads, dim // self.num_heads)  # noqa: E731
-        # The fused kernel where there is one (cuDNN's flash attention on NVIDIA GPUs), XLA elsewhere.
-        attended = jax.nn.dot_product_attention(
-            heads(self.query(x)), heads(self.key(x)), heads(self.value(x)), is_causal=True
-        )
+        query, key, value = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        implementation = "cudnn" if fused and cudnn_attention_fits(query) else None  # None: XLA's
+        attended = jax.nn.dot_product_attention(query, key, value, is_causal=True, implementation=implementation)
         return self.out(attended.reshape(batch, length, dim))
+
+
+def cudnn_attention_fits(query: jax.Array) -> bool:
+    """Whether cuDNN's flash attention takes these heads here: an NVIDIA GPU, 16-bit floats, a head
+    width that is a multiple of 8 up to 128. JAX's default is XLA's written-out softmax, which keeps
+    every (length x length) score of every head for the backward pass."""
+    return (
+        jax.default_backend() == "gpu"
+        and query.dtype in (jnp.bfloat16, jnp.float16)
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 128
+    )
 
 
 class MLP(nnx.Module):
@@ -115,13 +126,17 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.LayerNorm(dim, rngs=rngs)
         self.mlp = MLP(dim, mlp_ratio * dim, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
+    def __call__(self, x: jax.Array, fused: bool = True) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), fused)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nnx.Module):
-    """``(batch, length) int bytes -> (batch, length, 256)`` next-byte logits."""
+    """``(batch, length) int bytes -> (batch, length, 256)`` next-byte logits.
+
+    ``fused=False`` keeps XLA's attention on every platform: the program then lowers for any
+    platform (an export), where cuDNN's kernel is a call that only CUDA has.
+    """
 
     def __init__(self, seq_len: int, dim: int, num_heads: int, num_layers: int, mlp_ratio: int, *, rngs: nnx.Rngs):
         self.embed = nnx.Embed(VOCAB_SIZE, dim, rngs=rngs)
@@ -130,10 +145,10 @@ class Transformer(nnx.Module):
         self.norm = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, VOCAB_SIZE, use_bias=False, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, fused: bool = True) -> jax.Array:
         x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
         for block in self.blocks:
-            x = block(x)
+            x = block(x, fused)
         return self.head(self.norm(x))
 
 
@@ -164,7 +179,8 @@ build_model = model  # the name the other examples expose too
 
 def model_fn(model, features, labels, mode, params) -> ex.Spec:
     """Features ``{"bytes": (batch, length)}``, labels the next bytes ``(batch, length)``."""
-    logits = model(features["bytes"]).astype(jnp.float32)
+    # PREDICT is what an export traces, for every platform: the portable attention there.
+    logits = model(features["bytes"], fused=mode != ex.PREDICT).astype(jnp.float32)
     if mode == ex.PREDICT:
         return ex.Spec(predictions={"next_byte": logits[:, -1].argmax(-1)})
     loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(-1)  # nats per byte, per example
