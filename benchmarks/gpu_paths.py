@@ -183,6 +183,7 @@ def export(train, sizes: dict, batch: int) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a dry run on a CPU")
+    parser.add_argument("--only", help="comma-separated checks to run (default: all)")
     args = parser.parse_args(argv)
     small = {"seq_len": 64, "dim": 64, "num_heads": 2, "num_layers": 1, "mlp_ratio": 2}
     sizes = small if args.quick else lm.MODEL
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
         "exact_resume": lambda: exact_resume(train, sizes, 32, 10 if args.quick else 40),
         "export": lambda: export(train, sizes, 32),
     }
+    if args.only:
+        checks = {name: check for name, check in checks.items() if name in args.only.split(",")}
     failed = []
     print(
         json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "backend": jax.default_backend()})

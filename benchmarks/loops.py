@@ -271,7 +271,9 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
 # -- estimax ----------------------------------------------------------------------
 
 
-def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tuple[Callable[[int], None], ex.Estimator]:
+def estimax_runner(
+    w: Workload, x, y, input: str, model_dir: str | None, compilation_cache: str
+) -> tuple[Callable[[int], None], ex.Estimator]:
     """``input``: "arrays" (``from_arrays``) or "iterable" (a generator of host batches). With a
     ``model_dir``: ``RunConfig``'s defaults (metrics.jsonl, TensorBoard with every step's points, a
     log line every ``log_every_steps``, checkpoints by its default policy)."""
@@ -289,6 +291,7 @@ def estimax_runner(w: Workload, x, y, input: str, model_dir: str | None) -> tupl
         steps_per_loop=w.k,
         loop="auto",
         compute_dtype=w.compute_dtype,
+        compilation_cache=compilation_cache,  # the second Estimator of a workload reads the first's programs
         **logging_settings,
     )
     est = ex.Estimator(
@@ -319,12 +322,20 @@ def steps_per_sec(run: Callable[[int], None], steps: int) -> float:
 ESTIMAX_VARIANTS = ("arrays", "arrays_model_dir", "iterable", "iterable_model_dir")
 
 
+REFERENCES = ("jit_step", "jit_scan")
+
+
 def benchmark(
-    w: Workload, rounds: int, model_dirs: str, variants=ESTIMAX_VARIANTS, window_seconds: float | None = None
+    w: Workload,
+    rounds: int,
+    model_dirs: str,
+    variants=ESTIMAX_VARIANTS,
+    window_seconds: float | None = None,
+    references=REFERENCES,
 ) -> dict:
     x, y = w.data()
     estimators = {
-        f"{input}{suffix}": estimax_runner(w, x, y, input, model_dir)
+        f"{input}{suffix}": estimax_runner(w, x, y, input, model_dir, os.path.join(model_dirs, "compiled"))
         for input in ("arrays", "iterable")
         for suffix, model_dir in (("", None), ("_model_dir", os.path.join(model_dirs, f"{w.name}-{input}")))
         if f"{input}{suffix}" in variants
@@ -335,10 +346,13 @@ def benchmark(
         # >= 2 loops: compilation and the auto choice
         **{f"estimax_{input}": (run, 2 * w.k, w.steps) for input, (run, _) in estimators.items()},
     }
-    for run, warmup, _ in contenders.values():
-        run(warmup)
+    contenders = {name: c for name, c in contenders.items() if name in references or name.startswith("estimax")}
+    for name, (run, warmup, _) in contenders.items():
+        start = time.perf_counter()
+        run(warmup)  # compiling included
+        print(f"{w.name} {name} warm-up: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     if window_seconds:  # every contender's window sized to about this long at the faster reference's rate
-        rate = max(steps_per_sec(contenders[name][0], 2 * w.k) for name in ("jit_step", "jit_scan"))
+        rate = max(steps_per_sec(contenders[name][0], 2 * w.k) for name in references)
         steps = w.k * max(1, round(window_seconds * rate / w.k))
         contenders = {name: (run, warmup, steps) for name, (run, warmup, _) in contenders.items()}
     rates = {name: [] for name in contenders}
@@ -350,10 +364,10 @@ def benchmark(
         progress = {name: round(values[-1], 2) for name, values in rates.items()}
         print(f"{w.name} round {r + 1} steps/s: {json.dumps(progress)}", file=sys.stderr, flush=True)
     best = {name: max(values) for name, values in rates.items()}
-    reference = max(best["jit_step"], best["jit_scan"])
+    reference = max(best[name] for name in references)
     # Paired within each round (the same minutes of the machine): estimax against the faster reference, and
     # a model_dir against none on the same input.
-    round_reference = [max(pair) for pair in zip(rates["jit_step"], rates["jit_scan"], strict=True)]
+    round_reference = [max(pair) for pair in zip(*(rates[name] for name in references), strict=True)]
     paired = {
         f"ratio_{input}_rounds": spread(
             [a / b for a, b in zip(rates[f"estimax_{input}"], round_reference, strict=True)]
@@ -419,6 +433,11 @@ def main(argv=None) -> None:
         default=",".join(ESTIMAX_VARIANTS),
         help="the estimax runs to time: comma-separated subset of " + ", ".join(ESTIMAX_VARIANTS),
     )
+    parser.add_argument(
+        "--references",
+        default=",".join(REFERENCES),
+        help="the hand-written loops to time: comma-separated subset of " + ", ".join(REFERENCES),
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed windows per contender (best is kept)")
     parser.add_argument(
         "--window-seconds",
@@ -436,12 +455,19 @@ def main(argv=None) -> None:
         parser.error(
             f"unknown estimax runs {sorted(set(variants) - set(ESTIMAX_VARIANTS))}; expected some of {ESTIMAX_VARIANTS}"
         )
+    references = [r for r in args.references.split(",") if r]
+    if not references or not set(references) <= set(REFERENCES):
+        parser.error(f"--references {args.references!r}: expected some of {REFERENCES}")
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as model_dirs:
         for name in names:
             w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
             print(
-                json.dumps(benchmark(w, 1 if args.quick else args.rounds, model_dirs, variants, args.window_seconds)),
+                json.dumps(
+                    benchmark(
+                        w, 1 if args.quick else args.rounds, model_dirs, variants, args.window_seconds, references
+                    )
+                ),
                 flush=True,
             )
     print(f"total {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -45,7 +45,11 @@ def step_flops(jitted_step, *args, micro_batches: int = 1) -> float | None:
     """The FLOPs of one call of ``jitted_step(*args)`` (arrays or ShapeDtypeStructs) by XLA's
     count of the lowered program; ``None`` where the backend gives none."""
     try:
-        analysis = jitted_step.lower(*args).cost_analysis()
+        lowered = jitted_step.lower(*args)
+        try:
+            analysis = lowered.cost_analysis()
+        except NotImplementedError:  # PJRT plugins (CUDA, TPU) analyse compiled programs only
+            analysis = host_cost_analysis(lowered)
     except Exception as error:  # an estimate only: never a reason to stop training
         logger.debug("No FLOP count of the training step: %s", error)
         return None
@@ -53,6 +57,22 @@ def step_flops(jitted_step, *args, micro_batches: int = 1) -> float | None:
         analysis = analysis[0] if analysis else None
     flops = (analysis or {}).get("flops")
     return float(flops) * micro_batches if flops and flops > 0 else None
+
+
+def host_cost_analysis(lowered) -> dict:
+    """XLA's cost analysis of a program lowered for an accelerator, run by the host's (CPU) client.
+
+    The count is of the program as written, before any backend's optimisations, as on a
+    CPU; a call into a library kernel (cuDNN's attention) counts nothing. JAX has no
+    public way to analyse a lowered program on a plugin backend (it compiles first, which
+    would compile a program the loop may never run): this uses its private
+    ``hlo_module_cost_analysis``, kept here alone (``tests/test_flops.py`` names it).
+    """
+    import jax.extend.backend
+    from jax._src.lib import _jax
+
+    module = lowered.compiler_ir("hlo").as_hlo_module()
+    return _jax.hlo_module_cost_analysis(jax.extend.backend.get_backend("cpu"), module)
 
 
 def peak_tflops(device_kind: str, compute_dtype: str | None) -> float | None:
