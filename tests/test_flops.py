@@ -115,6 +115,24 @@ def test_the_host_counts_a_lowered_program_as_its_own_backend_does():
     assert on_host["flops"] == own["flops"] >= 2 * (2 * 16 * 64 * 32)  # the forward and the kernel-gradient matmuls
 
 
+class OnAPlugin:
+    """A jitted step whose lowered program gives no cost analysis, as on CUDA and TPU (PJRT plugins:
+    ``Lowered.cost_analysis()`` is None there; seen on an H200 with jax 0.11.2)."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def lower(self, *args):
+        lowered = self.jitted.lower(*args)
+        return type("PluginLowered", (), {"cost_analysis": lambda self: None, "compiler_ir": lowered.compiler_ir})()
+
+
+def test_a_step_on_a_backend_without_cost_analysis_is_counted_by_the_host():
+    step = jax.jit(lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w))
+    args = jnp.ones((64, 32)), jnp.ones((16, 64))
+    assert flops.step_flops(OnAPlugin(step), *args, micro_batches=2) == flops.step_flops(step, *args, micro_batches=2)
+
+
 def test_peaks_are_dense_and_mfu_divides_by_them():
     assert flops.peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.0  # not the 1,979 with sparsity
     assert flops.peak_tflops("NVIDIA H100 PCIe", "bfloat16") == 756.0
