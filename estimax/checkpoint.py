@@ -173,10 +173,14 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def committed_step(self) -> int | None:
-        """The latest step whose save has finished, from memory (no call to the store)."""
+        """The latest step whose save has finished, from memory (no call to the store; a local
+        folder's names are read while a save is in flight)."""
         steps = set(self._manager.all_steps())
         if not self.read_only and self._manager.is_saving_in_progress():
-            steps.discard(self._saving)  # Orbax may list it before it is finished
+            # Orbax lists a step before it is committed; on a local disk its rename commits it, and a
+            # group's save then still waits at a barrier for every process, a lost one too.
+            if str(self._saving) not in (self._local_names() or ()):
+                steps.discard(self._saving)
         return max(steps, default=None)
 
     def due(self, step_before: int, step_after: int) -> bool:
