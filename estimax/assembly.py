@@ -112,7 +112,7 @@ def _random_draws_as_kernels(replicated: bool):
     """On a GPU, the initial state's random draws each as one CUDA kernel (the same bits).
 
     JAX writes each threefry draw out as 20 unrolled rounds on a GPU (on a CPU as a
-    loop), so the initialisation of GPT-2 small's ~75 kernels compiled for 3 min 5 s on
+    loop), so the initialisation of GPT-2 small's 75 weight matrices compiled for 3 min 5 s on
     an H200 (jax 0.11.2), against 21 s for a whole hand-written training scan. JAX's
     kernel lowering compiles in no time but is one opaque call, which XLA cannot split
     into shards: it is used only where the state is replicated, and only here.
