@@ -447,3 +447,23 @@ def test_a_bad_mesh_on_the_command_line_is_a_usage_error(capsys):
         cli.main(["train", "--example", "digits", "--mesh", "data4"])
     assert exit_info.value.code == 2
     assert "received 'data4'; expected name=size pairs, e.g. data=4,model=2" in capsys.readouterr().err
+
+
+def test_random_draws_compile_as_kernels_only_while_a_replicated_state_is_initialised_on_a_gpu(monkeypatch):
+    """GPT-2 small's initial state compiled for 3 min 5 s on an H200 with threefry written out; the
+    kernel lowering is JAX-global, so it must not outlive the initialisation (a user's dropout keeps
+    XLA's fusable draws) nor apply to a sharded state (one opaque kernel cannot be split)."""
+    from estimax import assembly
+
+    def kernels():
+        return jax.config.jax_threefry_gpu_kernel_lowering
+
+    with assembly._random_draws_as_kernels(replicated=True):
+        assert not kernels()  # a CPU: nothing changes
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with assembly._random_draws_as_kernels(replicated=False):
+        assert not kernels()
+    with pytest.raises(ZeroDivisionError), assembly._random_draws_as_kernels(replicated=True):
+        assert kernels()
+        1 / 0  # noqa: B018  an initialisation that fails still gives the setting back
+    assert not kernels()

@@ -97,11 +97,15 @@ class Attention(nnx.Module):
 
 
 def cudnn_attention_fits(query: jax.Array) -> bool:
-    """Whether cuDNN's flash attention takes these heads here: an NVIDIA GPU, 16-bit floats, a head
-    width that is a multiple of 8 up to 128. JAX's default is XLA's written-out softmax, which keeps
-    every (length x length) score of every head for the backward pass."""
+    """Whether cuDNN's flash attention takes these heads here: an NVIDIA GPU from Ampere on, 16-bit
+    floats, a head width that is a multiple of 8 up to 128. JAX's default is XLA's written-out
+    softmax, which keeps every (length x length) score of every head for the backward pass."""
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", "")  # "9.0" on an H100; absent off CUDA
     return (
-        jax.default_backend() == "gpu"
+        device.platform == "gpu"
+        and capability[:1].isdigit()
+        and int(capability.split(".")[0]) >= 8
         and query.dtype in (jnp.bfloat16, jnp.float16)
         and query.shape[-1] % 8 == 0
         and query.shape[-1] <= 128
