@@ -37,7 +37,10 @@ Run: ``python benchmarks/loops.py`` (about 15 minutes on 2 cores);
 ``--workloads mlp,lstm`` picks workloads, ``--quick`` is a < 1 minute smoke run
 whose numbers are not meaningful. On a GPU: ``python benchmarks/loops.py
 --workloads gpt2,lm,cnn,digits --estimax arrays,arrays_model_dir --window-seconds 5``
-(windows sized to about 5 s each at the faster hand-written loop's rate).
+(windows sized to about 5 s each at the faster hand-written loop's rate);
+``--references jit_scan`` times one hand-written loop (GPT-2 small compiles
+for 20 s or more per program on an H200). Each warm-up and round is printed
+to stderr as it ends.
 """
 
 from __future__ import annotations
