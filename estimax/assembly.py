@@ -4,8 +4,8 @@ Owns the wiring of an Estimator's parts, each built from the ones before it:
 the mesh, the model's pure functions (``step.Core``) and the state's abstract
 shapes, where every array lives (``layout.py``), the run directory, the
 current state, the input plan, the checks of each mode, the evaluator, the
-writers and the trainer. Each part makes its own decisions; nothing is decided
-here. The verbs that use the parts are ``estimator.py``'s.
+writers and the trainer. Each part makes its own decisions; the one made here
+is how the initial state is compiled (``_initialise``). The verbs that use the parts are ``estimator.py``'s.
 """
 
 from __future__ import annotations

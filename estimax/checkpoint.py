@@ -173,14 +173,12 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def committed_step(self) -> int | None:
-        """The latest step whose save has finished, from memory (no call to the store; a local
-        folder's names are read while a save is in flight)."""
+        """The latest step whose save has finished, from memory and a local folder's names (no store call)."""
         steps = set(self._manager.all_steps())
-        if not self.read_only and self._manager.is_saving_in_progress():
-            # Orbax lists a step before it is committed; on a local disk its rename commits it, and a
-            # group's save then still waits at a barrier for every process, a lost one too.
-            if str(self._saving) not in (self._local_names() or ()):
-                steps.discard(self._saving)
+        # Orbax lists a step before it is committed; a local one is once renamed (a group's save then waits on).
+        in_flight = not self.read_only and self._manager.is_saving_in_progress()
+        if in_flight and str(self._saving) not in (self._local_names() or ()):
+            steps.discard(self._saving)
         return max(steps, default=None)
 
     def due(self, step_before: int, step_after: int) -> bool:
