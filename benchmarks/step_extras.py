@@ -10,12 +10,16 @@ differing only in what it computes from the gradients:
 - ``norm_only``: ``optax.global_norm`` on every step, no flags;
 - ``carry``: the norm on every step and the flags of the first non-finite step
   carried through the loop (no per-step flag output);
-- ``cond``: ``grad_checks`` under ``lax.cond``, run on the loop's last step and
-  on any step whose loss is not finite (what estimax does).
+- ``cond``: the checks under ``lax.cond``, run on the loop's last step and
+  on any step whose loss is not finite (what estimax does on CPUs and TPUs);
+- ``select``: the checks on every step, ``jnp.where`` keeping them on those
+  same steps only (no conditional: on a GPU a conditional copies its
+  predicate to the host and waits for it).
 
 Timed windows alternate between candidates; the best of each is kept and
 reported as steps/s and as a fraction of ``none``. Run:
-``python benchmarks/step_extras.py [--workloads mlp,lstm] [--rounds 5]``.
+``python benchmarks/step_extras.py [--workloads mlp,lstm] [--rounds 5]
+[--candidates none,cond,select]``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from loops import WORKLOADS, Workload, shuffled_batches
 from estimax.step import grad_checks
 
 
-def candidates(w: Workload):
+def candidates(w: Workload, names):
     graphdef, params, rest = nnx.split(w.build(nnx.Rngs(0)), nnx.Param, ...)
     optimizer = optax.sgd(w.lr)
 
@@ -65,35 +69,47 @@ def candidates(w: Workload):
         (state, flags), outputs = jax.lax.scan(body, (state, jnp.ones(num_params, bool)), stack)
         return state, (outputs, flags)
 
-    def cond(state, stack):
-        def body(state, xs):
-            batch, last = xs
-            state, loss, grads = step(state, batch)
-            return state, {"loss": loss, **grad_checks(grads, last | ~jnp.isfinite(loss))}
+    def selected(grads, measure):
+        checks = grad_checks(grads, True)
+        skipped = {"grad_norm": jnp.float32(jnp.nan), "finite_grads": jnp.ones_like(checks["finite_grads"])}
+        return {name: jnp.where(measure, checks[name], skipped[name]) for name in checks}
 
-        num_steps = jax.tree.leaves(stack)[0].shape[0]
-        return jax.lax.scan(body, state, (stack, jnp.arange(num_steps) == num_steps - 1))
+    def measured_on(checks):
+        def loop(state, stack):
+            def body(state, xs):
+                batch, last = xs
+                state, loss, grads = step(state, batch)
+                return state, {"loss": loss, **checks(grads, last | ~jnp.isfinite(loss))}
+
+            num_steps = jax.tree.leaves(stack)[0].shape[0]
+            return jax.lax.scan(body, state, (stack, jnp.arange(num_steps) == num_steps - 1))
+
+        return loop
 
     loops = {
         "none": per_step(lambda grads: {}),
         "every_step": per_step(lambda grads: grad_checks(grads, True)),
         "norm_only": per_step(lambda grads: {"grad_norm": optax.global_norm(grads)}),
         "carry": carry,
-        "cond": cond,
+        "cond": measured_on(grad_checks),
+        "select": measured_on(selected),
     }
     state = (params, optimizer.init(params), rest)
-    return state, {name: jax.jit(loop, donate_argnums=0) for name, loop in loops.items()}
+    return state, {name: jax.jit(loop, donate_argnums=0) for name, loop in loops.items() if name in names}
 
 
-def benchmark(w: Workload, rounds: int) -> dict:
+CANDIDATES = ("none", "every_step", "norm_only", "carry", "cond", "select")
+
+
+def benchmark(w: Workload, rounds: int, names=CANDIDATES, num_loops: int | None = None) -> dict:
     x, y = w.data()
-    initial, loops = candidates(w)
+    initial, loops = candidates(w, names)
     states = {name: jax.tree.map(jnp.copy, initial) for name in loops}
     batches = shuffled_batches(x, y, w.batch)
     stacks = [
         jax.device_put(jax.tree.map(lambda *b: np.stack(b), *(next(batches) for _ in range(w.k)))) for _ in range(4)
     ]
-    num_loops = max((w.scan_steps or w.steps) // w.k, 1)
+    num_loops = num_loops or max((w.scan_steps or w.steps) // w.k, 1)
 
     def run(name):
         state = states[name]
@@ -122,9 +138,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="mlp,lstm", help="comma-separated subset of " + ", ".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=5, help="timed windows per candidate (best is kept)")
+    parser.add_argument(
+        "--candidates", default=",".join(CANDIDATES), help="comma-separated subset of " + ", ".join(CANDIDATES)
+    )
+    parser.add_argument("--loops", type=int, help="loops per timed window (default: the workload's window)")
     args = parser.parse_args(argv)
+    names = ["none", *(n for n in args.candidates.split(",") if n and n != "none")]
+    if not set(names) <= set(CANDIDATES):
+        parser.error(f"unknown candidates {sorted(set(names) - set(CANDIDATES))}; expected some of {CANDIDATES}")
     for name in args.workloads.split(","):
-        print(json.dumps(benchmark(WORKLOADS[name], args.rounds)), flush=True)
+        print(json.dumps(benchmark(WORKLOADS[name], args.rounds, names, args.loops)), flush=True)
 
 
 if __name__ == "__main__":
