@@ -2,13 +2,15 @@
 
 Owns the up-front checks that do not need a compiled step: the model_fn's
 signature, hooks that are not ``Hook``s, and ``ModeChecks``, which traces the
-model_fn abstractly in each mode a call will use (``jax.eval_shape`` on the
+model_fn abstractly in each mode a call will use (``jax.make_jaxpr`` on the
 shapes of the first batch of the call's input: nothing is compiled,
-allocated or evaluated): TRAIN for ``train``, also EVAL for
-``train_and_evaluate`` (scalars where the input may pad a batch; the metric
-names that ``Best`` and early stopping refer to), EVAL for ``evaluate``,
-PREDICT for ``predict``; each mode and batch shape once per Estimator. Batch sizes are checked by ``data/plan.py``,
-writability by ``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
+allocated or evaluated): TRAIN for ``train`` (under ``compute_dtype``, also
+whether the model's matrix work runs in it: ``precision.check_matmuls``),
+also EVAL for ``train_and_evaluate`` (scalars where the input may pad a
+batch; the metric names that ``Best`` and early stopping refer to), EVAL for
+``evaluate``, PREDICT for ``predict``; each mode and batch shape once per
+Estimator. Batch sizes are checked by ``data/plan.py``, writability by
+``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import jax
 import numpy as np
 
 from estimax import metrics as metrics_lib
+from estimax import precision
 from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
@@ -116,7 +119,7 @@ def check_model_fn(model_fn) -> None:
 class ModeChecks:
     """Traces a model_fn abstractly in the modes a call will use, before that call does any work.
 
-    Each trace is a ``jax.eval_shape`` on the shapes of the first batch of the call's own input,
+    Each trace is a ``jax.make_jaxpr`` on the shapes of the first batch of the call's own input,
     with the global batch of that mode (``plan.global_batch``): nothing is compiled, allocated or
     evaluated. What the model_fn raises is retold by ``diagnose.py`` (a ``ModelFnError``); what it
     returns is checked by ``step.check_spec``. Each method returns the input to use from then on:
@@ -132,7 +135,9 @@ class ModeChecks:
         key = (mode, jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract)))
         if key not in self._traced:
             with jax.set_mesh(self.plan.layout.mesh):  # modules that declare shardings need a mesh to trace
-                self._traced[key] = jax.eval_shape(fn, self.abstract_state, abstract)
+                jaxpr, self._traced[key] = jax.make_jaxpr(fn, return_shape=True)(self.abstract_state, abstract)
+            if mode == TRAIN and self.core.compute_dtype is not None:
+                precision.check_matmuls(jaxpr, self.core.compute_dtype)
         return self._traced[key]
 
     def train(self, input):

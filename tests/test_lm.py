@@ -132,3 +132,22 @@ def test_the_task_applies_its_rules_on_a_mesh_that_has_their_axes():
     # Without a model axis the same task runs data-parallel: its rules do not apply (nor fail).
     data_only = lm_task.estimator(ex.RunConfig(mesh={"data": 8}, quiet=True)).sharding_plan()
     assert all(row.placed_by == "replicated" for row in data_only)
+
+
+def test_the_model_computes_in_bfloat16_under_its_compute_dtype(monkeypatch):
+    """nnx.Embed returns float32 whatever its table holds: the example casts its embeddings, so that
+    every matrix product, and the attention (cuDNN's needs 16-bit heads), run in bfloat16."""
+    from estimax import precision
+
+    heads = []
+    fits = lm.cudnn_attention_fits
+    monkeypatch.setattr(lm, "cudnn_attention_fits", lambda query: heads.append(query.dtype) or fits(query))
+    graph, params = nnx.split(lm.Transformer(**TINY, rngs=nnx.Rngs(0)))
+    tokens = jnp.zeros((2, TINY["seq_len"]), jnp.int32)
+    forward = lambda params: nnx.merge(graph, params)(tokens).astype(jnp.float32).mean()  # noqa: E731
+    low = precision.cast_floating(params, jnp.bfloat16)
+    share, wide, total = precision.float32_matmuls(jax.make_jaxpr(forward)(low))
+    assert (share, wide) == (0.0, 0) and total > 0
+    # Backward: XLA's attention scores its heads in float32 (preferred_element_type): their gradients only.
+    assert precision.float32_matmuls(jax.make_jaxpr(jax.grad(forward))(low))[0] < 0.05
+    assert heads and set(heads) == {jnp.dtype(jnp.bfloat16)}

@@ -68,3 +68,44 @@ def test_bfloat16_compute_keeps_float32_masters_and_a_close_loss():
 def test_compute_dtype_is_checked():
     with pytest.raises(ValueError, match=r"compute_dtype='int8'\) is not a supported compute dtype; expected one of"):
         ex.RunConfig(compute_dtype="int8")
+
+
+class Embedded(nnx.Module):
+    """Token ids -> class logits through nnx.Embed, whose output is float32 (its dtype defaults to
+    its param_dtype) whatever its table holds, unless ``cast`` brings it to the table's dtype."""
+
+    def __init__(self, rngs, cast: bool):
+        self.embed = nnx.Embed(32, 64, rngs=rngs)
+        self.hidden = nnx.Linear(64, 64, rngs=rngs)
+        self.out = nnx.Linear(64, 3, rngs=rngs)
+        self.cast = cast
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        if self.cast:
+            x = x.astype(self.embed.embedding.dtype)
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+@pytest.mark.parametrize(
+    "compute_dtype, cast, warned", [("bfloat16", False, True), ("bfloat16", True, False), (None, False, False)]
+)
+def test_matrix_work_left_in_float32_is_warned_of_with_the_fix(estimax_log, compute_dtype, cast, warned):
+    tokens = np.random.default_rng(0).integers(0, 32, (256,)).astype(np.int32)
+    labels = (tokens % 3).astype(np.int32)
+
+    def model_fn(model, features, labels, mode, params):
+        logits = model(features["tokens"]).astype(jnp.float32)
+        return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+    config = ex.RunConfig(train_batch_size=32, steps_per_loop=2, compute_dtype=compute_dtype, quiet=True)
+    est = ex.Estimator(
+        model=lambda rngs, p: Embedded(rngs, cast), model_fn=model_fn, optimizer=optax.sgd(0.1), config=config
+    )
+    est.train(ex.data.from_arrays({"tokens": tokens}, labels), max_steps=4)
+    warnings = [r.getMessage() for r in estimax_log.records if "still take float32 operands" in r.getMessage()]
+    assert bool(warnings) == warned, warnings
+    if warned:  # both matrix products, all of their FLOPs, and what to do
+        (message,) = warnings
+        assert "compute_dtype='bfloat16'): 2 of the model's 2 matrix products" in message
+        assert "(100% of their FLOPs)" in message and "nnx.Embed" in message and "dtype=jnp.bfloat16" in message

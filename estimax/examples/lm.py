@@ -150,7 +150,9 @@ class Transformer(nnx.Module):
         self.head = nnx.Linear(dim, VOCAB_SIZE, use_bias=False, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, fused: bool = True) -> jax.Array:
-        x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
+        # In the parameters' dtype (bfloat16 under RunConfig(compute_dtype=...)): nnx.Embed returns its
+        # param_dtype, float32, whatever its table holds, and every layer after it would follow.
+        x = (self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))).astype(self.embed.embedding.dtype)
         for block in self.blocks:
             x = block(x, fused)
         return self.head(self.norm(x))
