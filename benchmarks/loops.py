@@ -275,11 +275,12 @@ def jit_scan_runner(w: Workload, x, y) -> Callable[[int], None]:
 
 
 def estimax_runner(
-    w: Workload, x, y, input: str, model_dir: str | None, compilation_cache: str
+    w: Workload, x, y, input: str, model_dir: str | None, compilation_cache: str, **settings
 ) -> tuple[Callable[[int], None], ex.Estimator]:
     """``input``: "arrays" (``from_arrays``) or "iterable" (a generator of host batches). With a
     ``model_dir``: ``RunConfig``'s defaults (metrics.jsonl, TensorBoard with every step's points, a
-    log line every ``log_every_steps``, checkpoints by its default policy)."""
+    log line every ``log_every_steps``, checkpoints by its default policy), less what ``settings``
+    (more ``RunConfig`` fields) change."""
 
     def model_fn(model, features, labels, mode, params):
         outputs = model(features["x"])
@@ -296,6 +297,7 @@ def estimax_runner(
         compute_dtype=w.compute_dtype,
         compilation_cache=compilation_cache,  # the second Estimator of a workload reads the first's programs
         **logging_settings,
+        **settings,
     )
     est = ex.Estimator(
         model=lambda rngs, params: w.build(rngs), model_fn=model_fn, optimizer=optax.sgd(w.lr), config=config

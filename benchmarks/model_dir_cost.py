@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -40,13 +39,12 @@ import time
 
 import jax
 import numpy as np
-import optax
-from loops import WORKLOADS, Workload, quick
+from loops import WORKLOADS, Workload, estimax_runner, quick
 
 import estimax as ex
 
 VARIANTS = {  # name: (has a model_dir, RunConfig settings)
-    "none": (False, dict(log_every_steps=10**9)),
+    "none": (False, {}),
     "model_dir": (True, {}),
     "no_periodic_saves": (True, dict(checkpoint=ex.CheckpointPolicy(every_steps=None))),
     "no_tensorboard": (True, dict(tensorboard=False)),
@@ -63,21 +61,7 @@ class CheckpointSeconds(ex.Hook):
 
 
 def runner(w: Workload, x, y, model_dir: str | None, compilation_cache: str, settings: dict):
-    def model_fn(model, features, labels, mode, params):
-        return ex.Spec(loss=w.loss(model(features["x"]), labels))
-
-    config = ex.RunConfig(
-        model_dir=model_dir,
-        train_batch_size=w.batch,
-        steps_per_loop=w.k,
-        loop="auto",
-        compute_dtype=w.compute_dtype,
-        compilation_cache=compilation_cache,
-        **settings,
-    )
-    est = ex.Estimator(
-        model=lambda rngs, params: w.build(rngs), model_fn=model_fn, optimizer=optax.sgd(w.lr), config=config
-    )
+    _, est = estimax_runner(w, x, y, "arrays", model_dir, compilation_cache, **settings)
     data = ex.data.from_arrays({"x": x}, y)
     hook = CheckpointSeconds()
 
@@ -97,7 +81,6 @@ def measure(w: Workload, rounds: int, short_seconds: float, long_seconds: float,
         name: runner(w, x, y, os.path.join(root, f"{w.name}-{name}") if keeps else None, os.path.join(root, "cc"), s)
         for name, (keeps, s) in VARIANTS.items()
     }
-    logging.getLogger("estimax").setLevel(logging.WARNING)  # set up by the first Estimator
     for name, run in runs.items():
         print(f"{w.name} {name} warm-up: {run(2 * w.k)[0]:.1f} s", file=sys.stderr, flush=True)
     seconds, _ = runs["none"](4 * w.k)
