@@ -14,7 +14,13 @@ differing only in what it computes from the gradients:
   on any step whose loss is not finite (what estimax does on CPUs and TPUs);
 - ``select``: the checks on every step, ``jnp.where`` keeping them on those
   same steps only (no conditional: on a GPU a conditional copies its
-  predicate to the host and waits for it).
+  predicate to the host and waits for it);
+- ``outputs_only``: no checks, but the outputs ``cond`` writes every step
+  (a NaN norm and flags that are all True): what the outputs alone cost;
+- ``last_only``: the first K-1 steps in the scan with the loss only, the last
+  step after it with the checks: the checks once a loop, with neither a
+  conditional nor per-step outputs (a non-finite loss then does not measure
+  its step).
 
 Timed windows alternate between candidates; the best of each is kept and
 reported as steps/s and as a fraction of ``none``. Run:
@@ -86,6 +92,14 @@ def candidates(w: Workload, names):
 
         return loop
 
+    def unmeasured(grads):
+        return {"grad_norm": jnp.float32(jnp.nan), "finite_grads": jnp.ones(len(jax.tree.leaves(grads)), bool)}
+
+    def last_only(state, stack):
+        state, outputs = per_step(lambda grads: {})(state, jax.tree.map(lambda x: x[:-1], stack))
+        state, loss, grads = step(state, jax.tree.map(lambda x: x[-1], stack))
+        return state, (outputs, loss, grad_checks(grads, True))
+
     loops = {
         "none": per_step(lambda grads: {}),
         "every_step": per_step(lambda grads: grad_checks(grads, True)),
@@ -93,12 +107,14 @@ def candidates(w: Workload, names):
         "carry": carry,
         "cond": measured_on(grad_checks),
         "select": measured_on(selected),
+        "outputs_only": per_step(unmeasured),
+        "last_only": last_only,
     }
     state = (params, optimizer.init(params), rest)
     return state, {name: jax.jit(loop, donate_argnums=0) for name, loop in loops.items() if name in names}
 
 
-CANDIDATES = ("none", "every_step", "norm_only", "carry", "cond", "select")
+CANDIDATES = ("none", "every_step", "norm_only", "carry", "cond", "select", "outputs_only", "last_only")
 
 
 def benchmark(w: Workload, rounds: int, names=CANDIDATES, num_loops: int | None = None) -> dict:

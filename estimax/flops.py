@@ -6,8 +6,10 @@ batch; a loop inside the step (gradient accumulation's micro-batches) is
 counted once by XLA, so its count is multiplied by the micro-batches. The
 achieved rate per device is that count times the steps per second over the
 number of devices; MFU divides it by the device's dense peak for the compute
-dtype, from ``PEAKS``. Owns the count, the table and the arithmetic; does not
-own when they are logged (``metric_logger.py``).
+dtype, from ``PEAKS``. Owns the count, the table and the arithmetic, and the
+walk over a traced step's equations that the loop's choice (``loop.py``) and
+the mixed-precision check (``precision.py``) read; does not own when they are
+logged (``metric_logger.py``).
 """
 
 from __future__ import annotations
@@ -90,3 +92,14 @@ def achieved(flops_per_step: float, steps_per_sec: float, num_devices: int, peak
 def device_peak(compute_dtype: str | None) -> float | None:
     """The peak of this process's devices (all of one kind in a mesh)."""
     return peak_tflops(jax.devices()[0].device_kind, compute_dtype)
+
+
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` (or a ClosedJaxpr) and of the jaxprs inside it (loop bodies,
+    branches, calls), each once: what a traced step does, before the compiler counts it."""
+    for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
+                    yield from equations(inner)

@@ -179,15 +179,7 @@ class TrainRunner:
 
 def count_primitives(jaxpr, names: tuple[str, ...]) -> int:
     """How many equations of ``jaxpr`` and of the jaxprs inside it apply one of ``names``."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name in names
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                if hasattr(inner, "eqns") or hasattr(getattr(inner, "jaxpr", None), "eqns"):
-                    count += count_primitives(inner, names)
-    return count
+    return sum(eqn.primitive.name in names for eqn in flops.equations(jaxpr))
 
 
 def _with_step_axis(train_step):

@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from estimax.flops import equations
+
 logger = logging.getLogger("estimax")
 
 
@@ -67,7 +69,7 @@ def float32_matmuls(jaxpr) -> tuple[float, int, int]:
     (those inside loops and other calls counted once) that take a float32 or wider operand."""
     wide_flops = all_flops = 0.0
     wide = total = 0
-    for eqn in _equations(getattr(jaxpr, "jaxpr", jaxpr)):
+    for eqn in equations(jaxpr):
         if eqn.primitive.name not in _MATMULS:
             continue
         flops = _matmul_flops(eqn)
@@ -75,16 +77,6 @@ def float32_matmuls(jaxpr) -> tuple[float, int, int]:
         total, wide = total + 1, wide + is_wide
         all_flops, wide_flops = all_flops + flops, wide_flops + flops * is_wide
     return (wide_flops / all_flops if all_flops else 0.0), wide, total
-
-
-def _equations(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr
-                if hasattr(inner, "eqns"):
-                    yield from _equations(inner)
 
 
 def _matmul_flops(eqn) -> float:
