@@ -11,7 +11,7 @@ differing only in what it computes from the gradients:
 - ``carry``: the norm on every step and the flags of the first non-finite step
   carried through the loop (no per-step flag output);
 - ``cond``: the checks under ``lax.cond``, run on the loop's last step and
-  on any step whose loss is not finite (what estimax does on CPUs and TPUs);
+  on any step whose loss is not finite (what estimax does);
 - ``select``: the checks on every step, ``jnp.where`` keeping them on those
   same steps only (no conditional: on a GPU a conditional copies its
   predicate to the host and waits for it);
@@ -25,7 +25,8 @@ differing only in what it computes from the gradients:
 Timed windows alternate between candidates; the best of each is kept and
 reported as steps/s and as a fraction of ``none``. Run:
 ``python benchmarks/step_extras.py [--workloads mlp,lstm] [--rounds 5]
-[--candidates none,cond,select]``.
+[--candidates cond,select] [--loops N]`` (``none`` is always timed; ``--loops``
+sizes the windows, e.g. 100 loops on a GPU).
 """
 
 from __future__ import annotations
