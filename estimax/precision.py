@@ -66,14 +66,14 @@ def check_matmuls(jaxpr, compute_dtype) -> None:
 
 def float32_matmuls(jaxpr) -> tuple[float, int, int]:
     """``(share of the FLOPs, count, of how many)`` of ``jaxpr``'s matrix products and convolutions
-    (those inside loops and other calls counted once) that take a float32 or wider operand."""
+    (those inside loops and other calls counted once) that take a float32 or wider floating operand."""
     wide_flops = all_flops = 0.0
     wide = total = 0
     for eqn in equations(jaxpr):
         if eqn.primitive.name not in _MATMULS:
             continue
         flops = _matmul_flops(eqn)
-        is_wide = any(jnp.dtype(v.aval.dtype).itemsize >= 4 for v in eqn.invars[:2])
+        is_wide = any(_is_wide_float(v.aval.dtype) for v in eqn.invars[:2])
         total, wide = total + 1, wide + is_wide
         all_flops, wide_flops = all_flops + flops, wide_flops + flops * is_wide
     return (wide_flops / all_flops if all_flops else 0.0), wide, total
@@ -87,4 +87,8 @@ def _matmul_flops(eqn) -> float:
         (contracting, _), _ = eqn.params["dimension_numbers"]
         return 2 * out * float(np.prod([lhs[d] for d in contracting]))
     out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-    return 2 * out * float(np.prod(rhs)) / max(out_features, 1) / eqn.params["feature_group_count"]
+    return 2 * out * float(np.prod(rhs)) / out_features / eqn.params["feature_group_count"]
+
+
+def _is_wide_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 4

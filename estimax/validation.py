@@ -130,26 +130,30 @@ class ModeChecks:
         self.core, self.abstract_state, self.plan = core, abstract_state, plan
         self._traced: dict = {}  # (mode, batch shapes) -> what tracing gave: each is traced once
 
-    def _trace(self, mode: str, fn, batch, batch_size: int):
+    def _trace(self, mode: str, fn, batch, batch_size: int, inspect=None):
+        """``fn``'s abstract outputs on ``batch``; ``inspect(jaxpr)`` reads the program when it is first traced."""
         abstract = abstract_batch(batch, batch_size)
         key = (mode, jax.tree.structure(abstract), tuple(jax.tree.leaves(abstract)))
         if key not in self._traced:
             with jax.set_mesh(self.plan.layout.mesh):  # modules that declare shardings need a mesh to trace
                 jaxpr, self._traced[key] = jax.make_jaxpr(fn, return_shape=True)(self.abstract_state, abstract)
-            if mode == TRAIN and self.core.compute_dtype is not None:
-                precision.check_matmuls(jaxpr, self.core.compute_dtype)
+            if inspect is not None:
+                inspect(jaxpr)
         return self._traced[key]
 
     def train(self, input):
-        """TRAIN mode, on micro-batches where gradients are accumulated."""
+        """TRAIN mode, on micro-batches where gradients are accumulated; under ``compute_dtype``,
+        whether the model's matrix work runs in it."""
         batch, input = peek(input)
         if batch is not None:
             micro_batch_size = self.plan.global_batch(TRAIN) // self.core.grad_accum_steps
+            dtype = self.core.compute_dtype
             self._trace(
                 TRAIN,
                 lambda s, b: self.core.call(s.params, s, b, TRAIN, micro_batch_size)[0].loss,
                 batch,
                 micro_batch_size,
+                inspect=None if dtype is None else lambda jaxpr: precision.check_matmuls(jaxpr, dtype),
             )
         return input
 
