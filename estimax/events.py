@@ -81,8 +81,8 @@ class ScalarEncoder:
         """One event per step from ``first_step``: ``columns`` maps each tag to its per-step values.
         Tags in ``skip_nan`` have no point where they are NaN (values measured on some steps only).
 
-        The steps whose points have the same tags (all but a few of a loop) are encoded together
-        with numpy; the others one by one (``event``)."""
+        The steps whose points have the same tags (all but a few) are encoded together with numpy,
+        whatever their number; the others one by one (``event``), spliced in between in step order."""
         wall_time = time.time()
         tags = list(columns)
         if not tags:
@@ -93,25 +93,29 @@ class ScalarEncoder:
         kept = [i for i, tag in enumerate(tags) if tag not in skip]
         # Rows where every sampled value is NaN have exactly the kept tags.
         alike = np.isnan(values[:, sampled]).all(axis=1) if sampled else np.ones(len(values), bool)
-        parts, start = [], 0
-        for stop in [*(np.flatnonzero(np.diff(alike)) + 1).tolist(), len(values)]:  # runs of equal `alike`
-            if alike[start] and kept:
-                parts.append(
-                    self._same_tags(first_step + start, [tags[i] for i in kept], values[start:stop, kept], wall_time)
-                )
-            else:
-                for i in range(start, stop):
-                    point = {
-                        tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip
-                    }
-                    parts.append(self.event(first_step + i, point, wall_time))
-            start = stop
+        together = np.flatnonzero(alike) if kept else np.zeros(0, np.int64)
+        steps = first_step + together
+        data, ends = self._same_tags(steps, [tags[i] for i in kept], values[np.ix_(together, kept)], wall_time)
+        others = np.setdiff1d(np.arange(len(values)), together, assume_unique=True)
+        parts, at = [], 0
+        # Row i of the others follows the rows of ``together`` before it: their bytes end at ends[n - 1].
+        for i, before in zip(others.tolist(), np.searchsorted(together, others).tolist(), strict=True):
+            end = int(ends[before - 1]) if before else 0
+            parts.append(data[at:end])
+            point = {tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip}
+            parts.append(self.event(first_step + i, point, wall_time))
+            at = end
+        parts.append(data[at:])
         return b"".join(parts)
 
-    def _same_tags(self, first_step: int, tags: list[str], values: np.ndarray, wall_time: float) -> bytes:
-        """Events of ``values`` (one row per step from ``first_step``, a column per tag), as ``event``
-        encodes them, built as one byte array per length of the step's varint."""
-        steps = np.arange(first_step, first_step + len(values), dtype=np.int64)
+    def _same_tags(
+        self, steps: np.ndarray, tags: list[str], values: np.ndarray, wall_time: float
+    ) -> tuple[bytes, np.ndarray]:
+        """Events of ``values`` (one row per step of the ascending ``steps``, a column per tag), as
+        ``event`` encodes them, built as one byte array per length of the step's varint; with the
+        byte offset where each row's record ends."""
+        if not len(steps):
+            return b"", np.zeros(0, np.int64)
         widths = 1 + (steps[:, None] >= (1 << (7 * np.arange(1, 9, dtype=np.int64)))).sum(axis=1)
         prefixes = [self._value_prefix(tag) for tag in tags]
         summary = sum(len(prefix) + 4 for prefix in prefixes)
@@ -136,7 +140,9 @@ class ScalarEncoder:
                 )
                 at += len(prefix) + 4
             parts.append(frames(data))
-        return b"".join(parts)
+        # A framed record: 8 bytes of length, 4 of its CRC, the event, 4 of the event's CRC.
+        ends = np.cumsum(16 + len(head) + widths + len(tail) + summary)
+        return b"".join(parts), ends
 
 
 def file_name() -> str:

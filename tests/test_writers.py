@@ -96,6 +96,31 @@ def test_a_loops_points_encoded_together_equal_one_event_per_step(first_step, mo
     assert read[7].summary.value[1].tag == "grad_norm" and len(read[8].summary.value) == 2
 
 
+def test_loops_encoded_at_the_flush_read_back_as_every_step_in_order(tmp_path):
+    """Loops' columns wait for the flush and are encoded together, with log lines' points written
+    between them and a gap in the steps (another call's loops): TensorBoard reads each tag's points
+    once, in step order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer, rng = TensorBoardWriter(str(tmp_path)), np.random.default_rng(1)
+    loss, expected_norms = rng.standard_normal(250).astype(np.float32), []
+    firsts = [1, 51, 101, 151, 1001]  # a gap after step 200: a later call's loop
+    for n, first in enumerate(firsts):
+        norms = np.full(50, np.nan)
+        norms[-1] = n + 0.5  # the loop's last step measures it
+        expected_norms.append((first + 49, n + 0.5))
+        writer.write_steps("train", first, {"loss": loss[50 * n : 50 * n + 50], "grad_norm": norms}, ("grad_norm",))
+        if n % 2:
+            writer.write("train", first + 49, {"steps_per_sec": 10.0 * n})
+    writer.close()
+    train = EventAccumulator(str(tmp_path / "train"), size_guidance={"scalars": 0})
+    train.Reload()
+    steps = [s for first in firsts for s in range(first, first + 50)]
+    assert [(e.step, e.value) for e in train.Scalars("loss")] == list(zip(steps, loss.tolist(), strict=True))
+    assert [(e.step, e.value) for e in train.Scalars("grad_norm")] == expected_norms
+    assert [(e.step, e.value) for e in train.Scalars("steps_per_sec")] == [(100, 10.0), (200, 30.0)]
+
+
 def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
     path = str(tmp_path / "metrics.jsonl")
     for step in (1, 2):
