@@ -4,7 +4,8 @@
 each ``train`` call pays once (the checkpoint it ends with, and waiting for that checkpoint to be
 committed) with what every step pays (periodic saves, the writers' threads). This benchmark
 separates them. For each workload of ``loops.py``, four Estimators in one process train from
-``from_arrays`` with ``loop="auto"`` and the workload's steps per loop:
+``from_arrays`` (or, with ``--input iterable``, a plain generator of host batches, ``loops.py``'s)
+with ``loop="auto"`` and the workload's steps per loop:
 
 - ``none``: ``model_dir=None``;
 - ``model_dir``: a model_dir with ``RunConfig``'s defaults (metrics.jsonl, TensorBoard with
@@ -39,7 +40,7 @@ import time
 
 import jax
 import numpy as np
-from loops import WORKLOADS, Workload, estimax_runner, quick
+from loops import WORKLOADS, Workload, estimax_runner, quick, shuffled_batches
 
 import estimax as ex
 
@@ -60,9 +61,12 @@ class CheckpointSeconds(ex.Hook):
         self.seconds = summary.seconds["checkpoint"]
 
 
-def runner(w: Workload, x, y, model_dir: str | None, compilation_cache: str, settings: dict):
-    _, est = estimax_runner(w, x, y, "arrays", model_dir, compilation_cache, **settings)
-    data = ex.data.from_arrays({"x": x}, y)
+def runner(w: Workload, x, y, input: str, model_dir: str | None, compilation_cache: str, settings: dict):
+    _, est = estimax_runner(w, x, y, input, model_dir, compilation_cache, **settings)
+    if input == "arrays":
+        data = ex.data.from_arrays({"x": x}, y)
+    else:
+        data = (({"x": xb}, yb) for xb, yb in shuffled_batches(x, y, w.batch))
     hook = CheckpointSeconds()
 
     def run(steps: int) -> tuple[float, float]:
@@ -75,10 +79,10 @@ def runner(w: Workload, x, y, model_dir: str | None, compilation_cache: str, set
     return run
 
 
-def measure(w: Workload, rounds: int, short_seconds: float, long_seconds: float, root: str) -> dict:
+def measure(w: Workload, input: str, rounds: int, short_seconds: float, long_seconds: float, root: str) -> dict:
     x, y = w.data()
     runs = {
-        name: runner(w, x, y, os.path.join(root, f"{w.name}-{name}") if keeps else None, os.path.join(root, "cc"), s)
+        name: runner(w, x, y, input, os.path.join(root, f"{w.name}-{name}") if keeps else None, root + "/cc", s)
         for name, (keeps, s) in VARIANTS.items()
     }
     for name, run in runs.items():
@@ -101,6 +105,7 @@ def measure(w: Workload, rounds: int, short_seconds: float, long_seconds: float,
     step_seconds = float(np.median(wall["none", "long"])) / lengths["long"]
     result = {
         "workload": w.name,
+        "input": input,
         "device": jax.devices()[0].device_kind,
         "steps_per_loop": w.k,
         "call_steps": lengths,
@@ -140,6 +145,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="calls of each length per Estimator")
     parser.add_argument("--short-seconds", type=float, default=1.0, help="a short call, at none's rate")
     parser.add_argument("--long-seconds", type=float, default=8.0, help="a long call, at none's rate")
+    parser.add_argument("--input", choices=("arrays", "iterable"), default="arrays", help="from_arrays or a generator")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny calls, one round")
     args = parser.parse_args(argv)
     names = [n for n in args.workloads.split(",") if n]
@@ -154,7 +160,7 @@ def main(argv=None) -> None:
         for name in names:
             w = quick(WORKLOADS[name]) if args.quick else WORKLOADS[name]
             rounds, short, long = (1, 0.05, 0.2) if args.quick else (args.rounds, args.short_seconds, args.long_seconds)
-            print(json.dumps(measure(w, rounds, short, long, root)), flush=True)
+            print(json.dumps(measure(w, args.input, rounds, short, long, root)), flush=True)
 
 
 if __name__ == "__main__":

@@ -77,57 +77,70 @@ class ScalarEncoder:
             _WALL_TIME + struct.pack("<d", wall_time) + _STEP + _varint(step) + _length_delimited(_SUMMARY, summary)
         )
 
-    def steps(self, first_step: int, columns: Mapping[str, np.ndarray], skip_nan: Iterable[str] = ()) -> bytes:
+    def steps(
+        self,
+        first_step: int,
+        columns: Mapping[str, np.ndarray],
+        skip_nan: Iterable[str] = (),
+        wall_times: np.ndarray | None = None,
+    ) -> bytes:
         """One event per step from ``first_step``: ``columns`` maps each tag to its per-step values.
         Tags in ``skip_nan`` have no point where they are NaN (values measured on some steps only).
+        ``wall_times``: each step's, in seconds since the epoch (default: now).
 
-        The steps whose points have the same tags (all but a few) are encoded together with numpy,
-        whatever their number; the others one by one (``event``), spliced in between in step order."""
-        wall_time = time.time()
+        The steps are grouped by the tags their points have (a loop's steps: those without a
+        sampled value, and its last step with them); each group is encoded with numpy in one go
+        (``_same_tags``), and the groups' runs of steps are joined back in step order."""
         tags = list(columns)
-        if not tags:
+        values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags]) if tags else None
+        if values is None or not len(values):
             return b""
-        values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags])
-        skip = set(skip_nan)
+        times = np.full(len(values), time.time()) if wall_times is None else np.asarray(wall_times, np.float64)
+        # Which tags each step has a point for: all but the NaN of the tags in ``skip_nan``, whose
+        # pattern is a step's kind (a bit a sampled tag: the engine samples one, grad_norm).
+        skip = frozenset(skip_nan)
         sampled = [i for i, tag in enumerate(tags) if tag in skip]
-        kept = [i for i, tag in enumerate(tags) if tag not in skip]
-        # Rows where every sampled value is NaN have exactly the kept tags.
-        alike = np.isnan(values[:, sampled]).all(axis=1) if sampled else np.ones(len(values), bool)
-        together = np.flatnonzero(alike) if kept else np.zeros(0, np.int64)
-        steps = first_step + together
-        data, ends = self._same_tags(steps, [tags[i] for i in kept], values[np.ix_(together, kept)], wall_time)
-        others = np.setdiff1d(np.arange(len(values)), together, assume_unique=True)
-        parts, at = [], 0
-        # Row i of the others follows the rows of ``together`` before it: their bytes end at ends[n - 1].
-        for i, before in zip(others.tolist(), np.searchsorted(together, others).tolist(), strict=True):
-            end = int(ends[before - 1]) if before else 0
-            parts.append(data[at:end])
-            point = {tag: v for tag, v in zip(tags, values[i].tolist(), strict=True) if v == v or tag not in skip}
-            parts.append(self.event(first_step + i, point, wall_time))
-            at = end
-        parts.append(data[at:])
+        missing = np.zeros(len(values), np.int64)
+        for bit, i in enumerate(sampled):
+            missing |= np.isnan(values[:, i]).astype(np.int64) << bit
+        kinds, kind = np.unique(missing, return_inverse=True)
+        encoded, position = [], np.empty(len(values), np.int64)
+        for k, pattern in enumerate(kinds.tolist()):
+            rows = np.flatnonzero(kind == k)
+            position[rows] = np.arange(len(rows))
+            gone = {sampled[bit] for bit in range(len(sampled)) if pattern >> bit & 1}
+            present = [i for i in range(len(tags)) if i not in gone]
+            named = [tags[i] for i in present]
+            encoded.append(self._same_tags(first_step + rows, named, values[np.ix_(rows, present)], times[rows]))
+        parts = []
+        starts = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist()]
+        for start, stop in zip(starts, [*starts[1:], len(values)], strict=True):  # a run of steps of one kind
+            data, ends = encoded[kind[start]]
+            first, last = position[start], position[stop - 1]
+            parts.append(data[(ends[first - 1] if first else 0) : ends[last]])
         return b"".join(parts)
 
     def _same_tags(
-        self, steps: np.ndarray, tags: list[str], values: np.ndarray, wall_time: float
+        self, steps: np.ndarray, tags: list[str], values: np.ndarray, wall_times: np.ndarray
     ) -> tuple[bytes, np.ndarray]:
-        """Events of ``values`` (one row per step of the ascending ``steps``, a column per tag), as
-        ``event`` encodes them, built as one byte array per length of the step's varint; with the
-        byte offset where each row's record ends."""
-        if not len(steps):
-            return b"", np.zeros(0, np.int64)
+        """Events of ``values`` (one row per step of the ascending ``steps``, a column per tag) at
+        ``wall_times``, as ``event`` encodes them, built as one byte array per length of the step's
+        varint; with the byte offset where each row's record ends."""
         widths = 1 + (steps[:, None] >= (1 << (7 * np.arange(1, 9, dtype=np.int64)))).sum(axis=1)
         prefixes = [self._value_prefix(tag) for tag in tags]
         summary = sum(len(prefix) + 4 for prefix in prefixes)
-        head, tail = _WALL_TIME + struct.pack("<d", wall_time) + _STEP, _SUMMARY + _varint(summary)
-        floats = values.astype("<f4")
+        tail = _SUMMARY + _varint(summary)
+        head = len(_WALL_TIME) + 8 + len(_STEP)  # the wall time's key and double, the step's key
+        floats, times = values.astype("<f4"), np.asarray(wall_times, "<f8")
         parts = []
         for width in np.unique(widths).tolist():  # steps ascend: each width is one run of rows
             rows = widths == width
             count = int(rows.sum())
-            data = np.empty((count, len(head) + width + len(tail) + summary), np.uint8)
-            data[:, : len(head)] = np.frombuffer(head, np.uint8)
-            at = len(head)
+            data = np.empty((count, head + width + len(tail) + summary), np.uint8)
+            data[:, 0] = _WALL_TIME[0]
+            data[:, 1:9] = np.ascontiguousarray(times[rows]).view(np.uint8).reshape(count, 8)
+            data[:, 9] = _STEP[0]
+            at = head
             for j in range(width):  # the step's varint: 7 bits a byte, the high bit on all but the last
                 data[:, at + j] = ((steps[rows] >> (7 * j)) & 0x7F) | (0x80 if j < width - 1 else 0)
             at += width
@@ -141,7 +154,7 @@ class ScalarEncoder:
                 at += len(prefix) + 4
             parts.append(frames(data))
         # A framed record: 8 bytes of length, 4 of its CRC, the event, 4 of the event's CRC.
-        ends = np.cumsum(16 + len(head) + widths + len(tail) + summary)
+        ends = np.cumsum(16 + head + widths + len(tail) + summary)
         return b"".join(parts), ends
 
 

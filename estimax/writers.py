@@ -200,28 +200,32 @@ class TensorBoardWriter:
 
 @dataclasses.dataclass
 class _Steps:
-    """The per-step columns of consecutive loops with the same tags, from ``first_step`` to ``end``."""
+    """The per-step columns of consecutive loops with the same tags, from ``first_step`` to ``end``,
+    with the wall time each loop reached the writer (its steps' points carry it, not the flush's)."""
 
     first_step: int
     end: int
     columns: list[Mapping[str, np.ndarray]]
     sampled: tuple[str, ...]
+    times: list[float]
 
     @classmethod
     def of(cls, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str]) -> _Steps:
-        return cls(first_step, first_step + _length(columns), [columns], tuple(sampled))
+        return cls(first_step, first_step + _length(columns), [columns], tuple(sampled), [time.time()])
 
     def extend(self, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str]) -> bool:
         """Takes the next loop's columns if they continue these; whether they did."""
         if first_step != self.end or columns.keys() != self.columns[0].keys() or tuple(sampled) != self.sampled:
             return False
         self.columns.append(columns)
+        self.times.append(time.time())
         self.end += _length(columns)
         return True
 
     def encode(self, encoder: events.ScalarEncoder) -> bytes:
         joined = {tag: np.concatenate([c[tag] for c in self.columns]) for tag in self.columns[0]}
-        return encoder.steps(self.first_step, joined, self.sampled)
+        times = np.repeat(self.times, [_length(c) for c in self.columns])
+        return encoder.steps(self.first_step, joined, self.sampled, times)
 
 
 def _length(columns: Mapping[str, np.ndarray]) -> int:

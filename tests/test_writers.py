@@ -73,18 +73,22 @@ def test_encoded_events_equal_the_protobuf_messages():
 
 
 @pytest.mark.parametrize("first_step", [1, 100, 16_370, 2**35 - 3])  # the step's varint grows within a loop
-def test_a_loops_points_encoded_together_equal_one_event_per_step(first_step, monkeypatch):
+@pytest.mark.parametrize("num_steps", [50, 700])  # one loop; the loops of a flush (CRCs from their bits)
+def test_a_loops_points_encoded_together_equal_one_event_per_step(first_step, num_steps):
     from tensorboard.compat.proto import event_pb2
 
-    monkeypatch.setattr(events.time, "time", lambda: 1234.5)
     rng = np.random.default_rng(0)
-    loss, sampled = rng.standard_normal(50), np.full(50, np.nan)
-    sampled[[7, 49]] = 2.5, 3.5  # measured on some steps only
+    loss, sampled = rng.standard_normal(num_steps), np.full(num_steps, np.nan)
+    measured = [0, 7, 8, 49, num_steps - 1]  # measured on some steps only, the first and the last among them
+    sampled[measured] = rng.standard_normal(len(measured))
+    times = 1234.5 + np.arange(num_steps) // 50 * 0.37  # the wall time each loop reached the writer
     encoder, one_by_one = events.ScalarEncoder(), events.ScalarEncoder()
-    data = encoder.steps(first_step, {"loss": loss, "grad_norm": sampled, "lr": loss * 2}, skip_nan=("grad_norm",))
+    data = encoder.steps(
+        first_step, {"loss": loss, "grad_norm": sampled, "lr": loss * 2}, skip_nan=("grad_norm",), wall_times=times
+    )
     expected = [
-        one_by_one.event(first_step + i, {"loss": v, **({"grad_norm": g} if g == g else {}), "lr": 2 * v}, 1234.5)
-        for i, (v, g) in enumerate(zip(loss.tolist(), sampled.tolist(), strict=True))
+        one_by_one.event(first_step + i, {"loss": v, **({"grad_norm": g} if g == g else {}), "lr": 2 * v}, t)
+        for i, (v, g, t) in enumerate(zip(loss.tolist(), sampled.tolist(), times.tolist(), strict=True))
     ]
     assert data == b"".join(expected)
     read, at = [], 0
@@ -92,32 +96,37 @@ def test_a_loops_points_encoded_together_equal_one_event_per_step(first_step, mo
         size = int.from_bytes(data[at : at + 8], "little")
         read.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + size]))
         at += size + 16
-    assert [e.step for e in read] == list(range(first_step, first_step + 50))
-    assert read[7].summary.value[1].tag == "grad_norm" and len(read[8].summary.value) == 2
+    assert [e.step for e in read] == list(range(first_step, first_step + num_steps))
+    assert read[7].summary.value[1].tag == "grad_norm" and len(read[9].summary.value) == 2
 
 
-def test_loops_encoded_at_the_flush_read_back_as_every_step_in_order(tmp_path):
+def test_loops_encoded_at_the_flush_read_back_as_every_step_in_order(tmp_path, monkeypatch):
     """Loops' columns wait for the flush and are encoded together, with log lines' points written
     between them and a gap in the steps (another call's loops): TensorBoard reads each tag's points
-    once, in step order."""
+    once, in step order, each at the wall time its loop reached the writer."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    writer, rng = TensorBoardWriter(str(tmp_path)), np.random.default_rng(1)
+    writer, rng, clock = TensorBoardWriter(str(tmp_path)), np.random.default_rng(1), [1000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
     loss, expected_norms = rng.standard_normal(250).astype(np.float32), []
     firsts = [1, 51, 101, 151, 1001]  # a gap after step 200: a later call's loop
     for n, first in enumerate(firsts):
+        clock[0] = 1000.0 + n
         norms = np.full(50, np.nan)
         norms[-1] = n + 0.5  # the loop's last step measures it
         expected_norms.append((first + 49, n + 0.5))
         writer.write_steps("train", first, {"loss": loss[50 * n : 50 * n + 50], "grad_norm": norms}, ("grad_norm",))
         if n % 2:
             writer.write("train", first + 49, {"steps_per_sec": 10.0 * n})
+    clock[0] = 2000.0
     writer.close()
     train = EventAccumulator(str(tmp_path / "train"), size_guidance={"scalars": 0})
     train.Reload()
     steps = [s for first in firsts for s in range(first, first + 50)]
     assert [(e.step, e.value) for e in train.Scalars("loss")] == list(zip(steps, loss.tolist(), strict=True))
+    assert [e.wall_time for e in train.Scalars("loss")] == [1000.0 + n for n in range(5) for _ in range(50)]
     assert [(e.step, e.value) for e in train.Scalars("grad_norm")] == expected_norms
+    assert [e.wall_time for e in train.Scalars("grad_norm")] == [1000.0 + n for n in range(5)]
     assert [(e.step, e.value) for e in train.Scalars("steps_per_sec")] == [(100, 10.0), (200, 30.0)]
 
 
