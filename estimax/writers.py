@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
@@ -99,9 +100,16 @@ class JsonlWriter:
             file.close()
 
 
+_STEP_FIELD = re.compile(r'"step": (\d+)')  # as json.dumps writes a record's step
+
+
 def records_up_to(text: str, step: int) -> str:
     """The lines of ``metrics.jsonl`` text a run continuing from ``step`` keeps: all but the records
     past ``step`` and a last line cut short (no newline: its writer was killed mid-line)."""
+    # Every call of a run reads the file: it is parsed only when something may be dropped (every
+    # record's step, and anything else that reads like one, is at most ``step``).
+    if not text or (text.endswith("\n") and max(map(int, _STEP_FIELD.findall(text)), default=0) <= step):
+        return text
     kept = []
     for line in text.splitlines(keepends=True):
         try:

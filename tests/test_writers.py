@@ -252,6 +252,26 @@ def test_a_run_continuing_from_a_step_drops_the_records_past_it_and_a_line_cut_s
     assert path.read_text() == "".join(lines[:2]) + "not a record\n" + '{"split": "train", "step": 3, "loss": 0.5}\n'
 
 
+def test_records_past_the_step_are_dropped_wherever_they_are_and_a_file_without_any_is_kept_as_it_is(tmp_path):
+    """A dead run's train records past the checkpoint, then an evaluation of that checkpoint: the
+    records past it are dropped though the last line is not past it. A file with none is not
+    rewritten."""
+    path = tmp_path / "metrics.jsonl"
+    records = [("train", 2), ("train", 4), ("eval", 2), ("train", 3)]
+    lines = [json.dumps({"split": split, "step": step, "loss": 0.25}) + "\n" for split, step in records]
+    path.write_text("".join(lines))
+    writer = JsonlWriter(str(path), continuing_from=3)
+    writer.write("train", 4, {"loss": 0.5})
+    writer.close()
+    kept = lines[0] + lines[2] + lines[3] + '{"split": "train", "step": 4, "loss": 0.5}\n'
+    assert path.read_text() == kept
+    inode = path.stat().st_ino
+    writer = JsonlWriter(str(path), continuing_from=4)
+    writer.write("train", 5, {"loss": 0.125})
+    writer.close()
+    assert path.stat().st_ino == inode and path.read_text() == kept + '{"split": "train", "step": 5, "loss": 0.125}\n'
+
+
 class Broken:
     def write(self, split, step, values):
         raise OSError(28, "No space left on device")
