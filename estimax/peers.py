@@ -52,6 +52,10 @@ JAX_HEARTBEAT_FACTOR = 3  # JAX's own heartbeat timeout, a multiple of estimax's
 _ALIVE = "estimax/alive/"
 _WORD = "estimax/word/"  # process 0's line to each process, or the process's own word that it leaves
 _TOLD = "estimax/lost-told/"
+# How long process 0 keeps the coordination service up after the survivors said they read its line:
+# each exits right after saying so, but a loaded host may run it a moment later, and JAX aborts a
+# process whose service went away (SIGABRT instead of PEER_LOST_EXIT_CODE).
+_TOLD_GRACE_SECONDS = 1.0
 _LEFT = "left"
 
 
@@ -225,6 +229,7 @@ class PeerWatch:
                 self.client.blocking_key_value_get(f"{_TOLD}{p}", max(1, int((deadline - time.monotonic()) * 1000)))
             except Exception:  # gone too, or stuck: JAX's heartbeat ends it
                 pass
+        time.sleep(_TOLD_GRACE_SECONDS if survivors else 0.0)
         self._exit()
 
     def _stop(self, line: str) -> None:
