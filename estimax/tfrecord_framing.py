@@ -31,7 +31,7 @@ def frame(data: bytes) -> bytes:
 
 def frames(records: np.ndarray) -> bytes:
     """Each row of ``records`` (``uint8``, one record of the same size per row) framed as ``frame``
-    does, in order: many records for the cost of one CRC call each."""
+    does, in order, their CRCs computed together (``_crcs``)."""
     count, size = records.shape
     length = struct.pack("<Q", size)
     masked = _masked(_crcs(records))
@@ -67,4 +67,5 @@ def _bit_terms(size: int, column: int) -> np.ndarray:
         one = bytearray(size)
         one[column] = 1 << bit
         terms[(np.arange(256) >> bit) & 1 == 1] ^= google_crc32c.value(bytes(one)) ^ zero
+    terms.flags.writeable = False  # cached: shared by every later call
     return terms
