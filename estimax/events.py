@@ -92,9 +92,9 @@ class ScalarEncoder:
         sampled value, and its last step with them); each group is encoded with numpy in one go
         (``_same_tags``), and the groups' runs of steps are joined back in step order."""
         tags = list(columns)
-        values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags]) if tags else None
-        if values is None or not len(values):
+        if not tags or not len(columns[tags[0]]):
             return b""
+        values = np.column_stack([np.asarray(columns[tag], np.float64) for tag in tags])
         times = np.full(len(values), time.time()) if wall_times is None else np.asarray(wall_times, np.float64)
         # Which tags each step has a point for: all but the NaN of the tags in ``skip_nan``, whose
         # pattern is a step's kind (a bit a sampled tag: the engine samples one, grad_norm).

@@ -168,8 +168,9 @@ class TensorBoardWriter:
         tag's points stay in step order, and TensorBoard reads each tag as a series of its own."""
         run = self._runs.get(split)
         if run is None or not run.extend(first_step, columns, sampled):
-            self._runs[split] = _Steps.of(first_step, columns, sampled)
-            self._pending.setdefault(split, []).append(self._runs[split])
+            run = self._runs[split] = _Steps(first_step, tuple(sampled))
+            run.extend(first_step, columns, sampled)
+            self._pending.setdefault(split, []).append(run)
         self._flush_if_due(split)
 
     def _flush_if_due(self, split: str) -> None:
@@ -212,18 +213,18 @@ class _Steps:
     with the wall time each loop reached the writer (its steps' points carry it, not the flush's)."""
 
     first_step: int
-    end: int
-    columns: list[Mapping[str, np.ndarray]]
     sampled: tuple[str, ...]
-    times: list[float]
+    end: int = dataclasses.field(init=False)
+    columns: list[Mapping[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    times: list[float] = dataclasses.field(default_factory=list)
 
-    @classmethod
-    def of(cls, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str]) -> _Steps:
-        return cls(first_step, first_step + _length(columns), [columns], tuple(sampled), [time.time()])
+    def __post_init__(self):
+        self.end = self.first_step
 
     def extend(self, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str]) -> bool:
-        """Takes the next loop's columns if they continue these; whether they did."""
-        if first_step != self.end or columns.keys() != self.columns[0].keys() or tuple(sampled) != self.sampled:
+        """Takes the next loop's columns if they continue these (or are the first); whether it did."""
+        same_tags = not self.columns or columns.keys() == self.columns[0].keys()
+        if first_step != self.end or not same_tags or tuple(sampled) != self.sampled:
             return False
         self.columns.append(columns)
         self.times.append(time.time())
