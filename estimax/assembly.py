@@ -70,6 +70,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
             config.compute_dtype,
             config.grad_accum_steps,
             measure_every_step=config.skip_nonfinite,  # every skipped update is counted
+            last_step_apart=mesh.devices.flat[0].platform == "gpu",  # no conditional in XLA:GPU's loops
         )
         abstract_state = jax.eval_shape(core.init_state)  # shapes only: traced once
     layout = layout_lib.build(mesh, abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes)

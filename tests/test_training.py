@@ -1,5 +1,6 @@
 """Seeing training: hooks, writers, train_and_evaluate, non-finite values, profiling, the summary."""
 
+import contextlib
 import glob
 import json
 import os
@@ -142,8 +143,10 @@ def test_the_old_best_metric_mode_and_patience_arguments_still_work_with_a_warni
         est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=4, best_metrics="loss")
 
 
-def test_a_nan_stops_training_with_the_window_and_parameters(model_dir):
+@pytest.mark.parametrize("last_step_apart", [False, True], ids=["conditional", "last_step_apart"])
+def test_a_nan_stops_training_with_the_window_and_parameters(model_dir, last_step_apart):
     est = estimator(model_dir, steps_per_loop=4, save_every_steps=4)
+    est.core.last_step_apart = last_step_apart  # what GPUs run, here on the CPU
     # ReLU's gradient at NaN is 0, so l1/bias stays finite: only the parameters actually hit are named.
     with pytest.raises(
         ex.NonFiniteError,
@@ -153,6 +156,36 @@ def test_a_nan_stops_training_with_the_window_and_parameters(model_dir):
     ):
         est.train(_with_nan_at(7), max_steps=10)
     assert estimator(model_dir).step == 4  # no checkpoint came out of the NaN
+
+
+class Outputs(Hook):
+    def __init__(self):
+        self.loops = []
+
+    def after_loop(self, loop):
+        self.loops.append({k: np.asarray(v) for k, v in loop.outputs.items()})
+
+
+@pytest.mark.parametrize("nan_step", [None, 5, 6, 8, 10])
+def test_the_loop_with_its_last_step_apart_trains_and_reports_as_the_conditional_one(nan_step):
+    """GPUs run a loop's last step after the scan (no conditional per step): same steps, same outputs."""
+    data = _with_nan_at(nan_step) if nan_step else DATA
+    runs = []
+    for apart in (False, True):
+        est, seen = estimator(steps_per_loop=4, dropout=0.3), Outputs()
+        est.core.last_step_apart = apart
+        with contextlib.nullcontext() if nan_step is None else pytest.raises(ex.NonFiniteError) as stopped:
+            est.train(data, max_steps=10, hooks=[seen])  # loops of 4, 4 and 2 steps
+        runs.append((seen.loops, jax.device_get(est.state()), None if nan_step is None else str(stopped.value)))
+    (loops, state, error), (apart_loops, apart_state, apart_error) = runs
+    assert error == apart_error
+    assert len(loops) == len(apart_loops) == (3 if nan_step is None else (nan_step - 1) // 4)
+    for outputs, apart_outputs in zip(loops, apart_loops, strict=True):
+        assert outputs.keys() == apart_outputs.keys()
+        for name in outputs:
+            np.testing.assert_allclose(apart_outputs[name], outputs[name], rtol=1e-6, err_msg=name)
+    if nan_step is None:
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), apart_state, state)
 
 
 def test_skip_nonfinite_skips_and_counts(model_dir):
