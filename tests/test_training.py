@@ -166,13 +166,13 @@ class Outputs(Hook):
         self.loops.append({k: np.asarray(v) for k, v in loop.outputs.items()})
 
 
-@pytest.mark.parametrize("nan_step", [None, 5, 6, 8, 10])
-def test_the_loop_with_its_last_step_apart_trains_and_reports_as_the_conditional_one(nan_step):
+@pytest.mark.parametrize("nan_step, accumulated", [(None, 1), (None, 2), (5, 1), (6, 1), (8, 1), (10, 2)])
+def test_the_loop_with_its_last_step_apart_trains_and_reports_as_the_conditional_one(nan_step, accumulated):
     """GPUs run a loop's last step after the scan (no conditional per step): same steps, same outputs."""
     data = _with_nan_at(nan_step) if nan_step else DATA
     runs = []
     for apart in (False, True):
-        est, seen = estimator(steps_per_loop=4, dropout=0.3), Outputs()
+        est, seen = estimator(steps_per_loop=4, dropout=0.3, grad_accum_steps=accumulated), Outputs()
         est.core.last_step_apart = apart
         with contextlib.nullcontext() if nan_step is None else pytest.raises(ex.NonFiniteError) as stopped:
             est.train(data, max_steps=10, hooks=[seen])  # loops of 4, 4 and 2 steps
