@@ -3,7 +3,7 @@
 ``benchmarks/loops.py`` gives a model_dir's cost as one ratio per window, which mixes what
 each ``train`` call pays once (the checkpoint it ends with, and waiting for that checkpoint to be
 committed) with what every step pays (periodic saves, the writers' threads). This benchmark
-separates them. For each workload of ``loops.py``, four Estimators in one process train from
+separates them. For each workload of ``loops.py``, five Estimators in one process train from
 ``from_arrays`` (or, with ``--input iterable``, a plain generator of host batches, ``loops.py``'s)
 with ``loop="auto"`` and the workload's steps per loop:
 
@@ -13,7 +13,9 @@ with ``loop="auto"`` and the workload's steps per loop:
   checkpoint each call ends with);
 - ``no_periodic_saves``: the same, with ``CheckpointPolicy(every_steps=None)`` (only the
   checkpoint each call ends with);
-- ``no_tensorboard``: the defaults with ``RunConfig(tensorboard=False)``.
+- ``no_tensorboard``: the defaults with ``RunConfig(tensorboard=False)``;
+- ``no_save_at_end``: the default policy with ``at_end=False`` (no save, and no wait, at the end
+  of a call).
 
 Each round times every Estimator on a short and a long call (``--short-seconds`` and
 ``--long-seconds``, sized at ``none``'s rate), each round starting with the next Estimator.
@@ -24,7 +26,7 @@ read as ``per_call + per_step * S``: two call lengths give both. Printed per var
 ratio to ``none`` per round at each length, and ``within_3pct_from_s``: how long a call must be
 for the variant to be within 3% of ``none`` (``null`` when the per-step part alone is 3% or more).
 
-Run: ``python benchmarks/model_dir_cost.py --workloads mlp,lm`` (about 2 minutes a workload on
+Run: ``python benchmarks/model_dir_cost.py --workloads mlp,lm`` (about 2.5 minutes a workload on
 2 CPU cores with the defaults); on a GPU ``--workloads lm,cnn``. ``--quick`` is a smoke run whose
 numbers are not meaningful.
 """
@@ -32,6 +34,7 @@ numbers are not meaningful.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -49,6 +52,7 @@ VARIANTS = {  # name: (has a model_dir, RunConfig settings)
     "model_dir": (True, {}),
     "no_periodic_saves": (True, dict(checkpoint=ex.CheckpointPolicy(every_steps=None))),
     "no_tensorboard": (True, dict(tensorboard=False)),
+    "no_save_at_end": (True, dict(checkpoint=dataclasses.replace(ex.RunConfig().checkpoint, at_end=False))),
 }
 
 

@@ -53,6 +53,11 @@ class CheckpointPolicy:
       keep_every_hours: also keep one checkpoint per this many hours, forever.
       async_save: write in the background; training waits only while the
         state is copied off the devices.
+      at_end: save when a ``train`` call ends, and return once that save is
+        committed. ``False``: a call ends without it (a preemption still
+        saves), for many short calls in one process, each of which would
+        pay the save (0.05-0.2 s for a small state): what it trained since
+        the last save lives only in memory until the next save.
       max_overhead: the largest fraction of training time saves due by
         ``every_steps`` may take: such a save is put off (with one log line)
         while the last save, from its start to its commit, took more than this
@@ -66,6 +71,7 @@ class CheckpointPolicy:
     keep_every_hours: float | None = None
     async_save: bool = True
     max_overhead: float | None = None
+    at_end: bool = True
 
     def __post_init__(self):
         _check_positive("CheckpointPolicy", "keep", self.keep)

@@ -104,6 +104,7 @@ class TrainingLoop:
         records_due: Callable[[], None] = lambda: None,
     ):
         self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
+        self._saves_at_end = checkpointer.saves and checkpointer.policy.at_end
         self.records_due = records_due  # the writers write what they hold now: a checkpoint is about to be saved
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
@@ -225,7 +226,7 @@ class TrainingLoop:
                 self._after_loop(unread, 0.0, final=True)
             if preemption.signal_name is None and evaluation is not None and not self.stopped:
                 self._evaluate(evaluation, state, last, preemption, final=True)
-        if self.checkpointer.saves and last is not None:
+        if last is not None and (self._saves_at_end or self.checkpointer.saves and preemption.signal_name):
             self._save(state, last)
         self.profiler.stop(state)
         timer = time.perf_counter()
@@ -340,11 +341,18 @@ class TrainingLoop:
         seconds["device"] = max(wall - sum(seconds.values()), 0.0)
         seconds["total"] = wall
         summary = Summary(step, seconds, self.last_metrics)
+        unsaved = ""
+        if self.checkpointer.saves and not self._saves_at_end and self._saved_step != step:
+            last = self.checkpointer.latest_step()
+            unsaved = f"; step {step} not saved (CheckpointPolicy(at_end=False)), " + (
+                "no checkpoint yet" if last is None else f"the last checkpoint is step {last}"
+            )
         logger.info(
-            "Done at step %d in %.1f s: %s",
+            "Done at step %d in %.1f s: %s%s",
             step,
             wall,
             ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items() if k != "total"),
+            unsaved,
         )
         for hook in self.hooks:
             hook.end(summary)

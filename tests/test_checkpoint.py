@@ -66,6 +66,26 @@ def test_saves_due_by_steps_are_put_off_while_they_would_cost_more_than_max_over
     assert _steps(model_dir + "-exact") == list(range(2, 21, 2))
 
 
+def test_calls_without_the_save_at_their_end_continue_in_memory_and_a_preemption_still_saves(model_dir, estimax_log):
+    from test_s3 import SigtermAfter
+
+    policy = ex.CheckpointPolicy(every_steps=8, keep=100, at_end=False)
+    est = estimator(model_dir, steps_per_loop=2, checkpoint=policy)
+    for end in (5, 10, 15, 20):  # short calls of 2-step loops: saved only where a multiple of 8 is crossed
+        est.train(DATA, max_steps=end)
+        assert est.step == end
+    assert _steps(model_dir) == [9, 17]
+    assert "step 5 not saved (CheckpointPolicy(at_end=False)), no checkpoint yet" in estimax_log.text
+    assert "step 20 not saved (CheckpointPolicy(at_end=False)), the last checkpoint is step 17" in estimax_log.text
+    one_call = estimator(model_dir + "-one-call", steps_per_loop=2)
+    one_call.train(DATA, max_steps=20)
+    assert all(np.array_equal(a, b) for a, b in zip(_params(est).values(), _params(one_call).values(), strict=True))
+    assert estimator(model_dir).step == 17  # another Estimator reads what was saved
+    with pytest.raises(ex.Preempted):
+        est.train(DATA, max_steps=30, hooks=[SigtermAfter(22)])
+    assert _steps(model_dir) == [9, 17, 22]  # saved where it stopped
+
+
 @pytest.mark.parametrize("damage", ["truncate", "alter"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damage, estimax_log):
     est = estimator(model_dir, save_every_steps=4)
