@@ -235,7 +235,8 @@ def grad_checks(grads, measure: bool | jax.Array) -> dict[str, jax.Array]:
     """The global gradient norm and a finite flag per parameter, where ``measure`` holds.
 
     One pass over every gradient costs a host-bound model a fifth of its step on
-    XLA:CPU, so it runs under ``lax.cond`` (free when skipped): an unmeasured step
+    XLA:CPU, so with a device flag it runs under ``lax.cond`` (free when skipped), and
+    ``measure=False`` leaves it out of the program (``train_loop``): an unmeasured step
     reports ``grad_norm`` NaN (not measured; the logs average measured steps only)
     and every flag True. A NaN/Inf is reported with the parameters it hit because
     a non-finite loss always measures its step.

@@ -120,6 +120,7 @@ class TrainingLoop:
         self.stopped = False  # by a hook (early stopping)
         self._stop_reason = ""
         self._saved_step: int | None = None
+        self._not_saved: int | None = None  # the step a call ended at without saving it
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
         """Trains from ``info.start_step`` over ``chunks`` (a ``feed.Prefetch``); returns ``(state, step)``.
@@ -228,6 +229,8 @@ class TrainingLoop:
                 self._evaluate(evaluation, state, last, preemption, final=True)
         if last is not None and (self._saves_at_end or self.checkpointer.saves and preemption.signal_name):
             self._save(state, last)
+        if last is not None and self.checkpointer.saves and self._saved_step != last.step_after:
+            self._not_saved = last.step_after  # CheckpointPolicy(at_end=False): said in the last line
         self.profiler.stop(state)
         timer = time.perf_counter()
         self.checkpointer.wait()
@@ -342,7 +345,7 @@ class TrainingLoop:
         seconds["total"] = wall
         summary = Summary(step, seconds, self.last_metrics)
         unsaved = ""
-        if self.checkpointer.saves and not self._saves_at_end and self._saved_step != step:
+        if self._not_saved is not None:
             last = self.checkpointer.latest_step()
             unsaved = f"; step {step} not saved (CheckpointPolicy(at_end=False)), " + (
                 "no checkpoint yet" if last is None else f"the last checkpoint is step {last}"

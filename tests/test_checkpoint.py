@@ -77,6 +77,8 @@ def test_calls_without_the_save_at_their_end_continue_in_memory_and_a_preemption
     assert _steps(model_dir) == [9, 17]
     assert "step 5 not saved (CheckpointPolicy(at_end=False)), no checkpoint yet" in estimax_log.text
     assert "step 20 not saved (CheckpointPolicy(at_end=False)), the last checkpoint is step 17" in estimax_log.text
+    est.train(DATA, max_steps=20)  # nothing to train: nothing to say
+    assert estimax_log.text.count("not saved (CheckpointPolicy(at_end=False))") == 4
     one_call = estimator(model_dir + "-one-call", steps_per_loop=2)
     one_call.train(DATA, max_steps=20)
     assert all(np.array_equal(a, b) for a, b in zip(_params(est).values(), _params(one_call).values(), strict=True))
