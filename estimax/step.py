@@ -171,7 +171,8 @@ class Core:
         but the last with no conditional and no checks, then runs the last one, measured. A
         non-finite loss in the scan freezes the state from its step on, and the step after the
         scan is that one again, measured, its outputs in its row: the same as with the
-        conditional, at the cost of a second copy of the step in the compiled program.
+        conditional up to that step (training stops there), at the cost of a second copy
+        of the step in the compiled program.
         """
         num_steps = jax.tree.leaves(stack)[0].shape[0]
         if not self.last_step_apart:
