@@ -186,16 +186,15 @@ class Core:
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)  # frozen from a NaN on
             return (kept, finite), outputs
 
-        index = num_steps - 1
-        if num_steps > 1:
-            head = jax.tree.map(lambda x: x[:-1], stack)
-            (state, finite), rows = jax.lax.scan(unmeasured, (state, jnp.bool_(True)), head)
-            # The last step, or the first non-finite one again from the state before it.
-            index = jnp.where(finite, index, jnp.argmin(jnp.isfinite(rows["loss"])))
+        if num_steps == 1:
+            state, row = self.train_step(state, jax.tree.map(lambda x: x[0], stack), measure=True)
+            return state, jax.tree.map(lambda x: x[None], row)
+        head = jax.tree.map(lambda x: x[:-1], stack)
+        (state, finite), rows = jax.lax.scan(unmeasured, (state, jnp.bool_(True)), head)
+        # The last step, or the first non-finite one again from the state before it.
+        index = jnp.where(finite, num_steps - 1, jnp.argmin(jnp.isfinite(rows["loss"])))
         batch = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), stack)
         state, row = self.train_step(state, batch, measure=True)
-        if num_steps == 1:
-            return state, jax.tree.map(lambda x: x[None], row)
         return state, jax.tree.map(lambda rows, x: jnp.concatenate([rows, x[None]]).at[index].set(x), rows, row)
 
     # -- evaluation and prediction -------------------------------------------

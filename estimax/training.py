@@ -120,7 +120,7 @@ class TrainingLoop:
         self.stopped = False  # by a hook (early stopping)
         self._stop_reason = ""
         self._saved_step: int | None = None
-        self._not_saved: int | None = None  # the step a call ended at without saving it
+        self._unsaved_note = ""  # the last line's note of a call that ended without saving its step
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
         """Trains from ``info.start_step`` over ``chunks`` (a ``feed.Prefetch``); returns ``(state, step)``.
@@ -229,12 +229,15 @@ class TrainingLoop:
                 self._evaluate(evaluation, state, last, preemption, final=True)
         if last is not None and (self._saves_at_end or self.checkpointer.saves and preemption.signal_name):
             self._save(state, last)
-        if last is not None and self.checkpointer.saves and self._saved_step != last.step_after:
-            self._not_saved = last.step_after  # CheckpointPolicy(at_end=False): said in the last line
         self.profiler.stop(state)
         timer = time.perf_counter()
         self.checkpointer.wait()
         self.seconds["checkpoint"] += time.perf_counter() - timer
+        if last is not None and self.checkpointer.saves and self._saved_step != last.step_after:  # at_end=False
+            latest = self.checkpointer.latest_step()
+            self._unsaved_note = f"; step {last.step_after} not saved (CheckpointPolicy(at_end=False)), " + (
+                "no checkpoint yet" if latest is None else f"the last checkpoint is step {latest}"
+            )
 
     # -- at a loop boundary ----------------------------------------------------
     @contextlib.contextmanager
@@ -344,18 +347,12 @@ class TrainingLoop:
         seconds["device"] = max(wall - sum(seconds.values()), 0.0)
         seconds["total"] = wall
         summary = Summary(step, seconds, self.last_metrics)
-        unsaved = ""
-        if self._not_saved is not None:
-            last = self.checkpointer.latest_step()
-            unsaved = f"; step {step} not saved (CheckpointPolicy(at_end=False)), " + (
-                "no checkpoint yet" if last is None else f"the last checkpoint is step {last}"
-            )
         logger.info(
             "Done at step %d in %.1f s: %s%s",
             step,
             wall,
             ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items() if k != "total"),
-            unsaved,
+            self._unsaved_note,
         )
         for hook in self.hooks:
             hook.end(summary)
