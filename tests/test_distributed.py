@@ -295,6 +295,37 @@ def test_launch_checks_its_arguments():
         launch.launch(["true"], 0)
 
 
+_KILLS_ITS_PEER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    pid_file = os.path.join(sys.argv[1], "pid-1")
+    if os.environ["ESTIMAX_PROCESS_ID"] == "1":
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(pid_file + ".tmp", pid_file)
+        time.sleep(60)
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    peer = int(open(pid_file).read())
+    os.kill(peer, signal.SIGKILL)
+    while open(f"/proc/{peer}/stat").read().split(")")[1].split()[0] != "Z":  # dead, not yet reaped
+        time.sleep(0.001)
+    os.abort()  # as a collective whose peer is gone aborts: milliseconds after the cause
+    """
+)
+
+
+def test_the_launcher_names_the_process_that_failed_first_not_the_one_that_aborted_on_losing_it(tmp_path):
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--max-restarts", "0"]
+    command += ["--", sys.executable, "-c", _KILLS_ITS_PEER, str(tmp_path)]
+    launcher = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
+    assert launcher.returncode == 128 + signal.SIGKILL, launcher.stdout + launcher.stderr
+    # Both have ended by the launcher's next look, usually: the cause is named either way.
+    said = [line for line in launcher.stdout.splitlines() if "stopping the others" in line]
+    assert said and said[0].startswith("[launch] process 1 was killed by SIGKILL; stopping the others"), said
+    assert said[0].endswith("; stopping the others") or "(already ended: process 0 was killed by SIGABRT)" in said[0]
+
+
 def test_the_cli_under_the_launcher_trains_and_predicts_every_example(tmp_path):
     def cli(*args):
         command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from estimax import clusters
 from estimax.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port
 from estimax.errors import ConfigError, DistributedError
+from estimax.peers import PEER_LOST_EXIT_CODE
 from estimax.preemption import PREEMPTED_EXIT_CODE
 
 RESTART_ENV = "ESTIMAX_RESTART"  # 0 for the first start of the group, then 1, 2, ...
@@ -142,8 +143,10 @@ class _Group:
                 codes = [p.poll() for p in self.processes]
                 bad = [(i, c) for i, c in enumerate(codes) if c is not None and c not in (0, PREEMPTED_EXIT_CODE)]
                 if bad:
-                    i, code = bad[0]
-                    self.printer.line("launch", f"process {i} {_describe(code)}; stopping the others")
+                    i, code = min(bad, key=_consequence)
+                    also = "; ".join(f"process {j} {_describe(c)}" for j, c in bad if j != i)
+                    also = f" (already ended: {also})" if also else ""
+                    self.printer.line("launch", f"process {i} {_describe(code)}; stopping the others{also}")
                     self._kill()
                     return _exit_code(code), True
                 if all(c is not None for c in codes):
@@ -181,6 +184,13 @@ class _Group:
     def _drain(self) -> None:
         for reader in self.readers:
             reader.join(timeout=5)
+
+
+def _consequence(failure: tuple[int, int]) -> tuple[int, int]:
+    """Orders failures found at one poll, the likeliest cause first: when one process dies, another
+    may abort within milliseconds (its collective's peer is gone: SIGABRT) or stop on losing it (69)."""
+    process, code = failure
+    return {PEER_LOST_EXIT_CODE: 2, -signal.SIGABRT: 1}.get(code, 0), process
 
 
 def _describe(code: int) -> str:
