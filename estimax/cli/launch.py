@@ -143,7 +143,7 @@ class _Group:
                 codes = [p.poll() for p in self.processes]
                 bad = [(i, c) for i, c in enumerate(codes) if c is not None and c not in (0, PREEMPTED_EXIT_CODE)]
                 if bad:
-                    i, code = min(bad, key=_consequence)
+                    i, code = min(bad, key=_consequence_rank)
                     also = "; ".join(f"process {j} {_describe(c)}" for j, c in bad if j != i)
                     also = f" (already ended: {also})" if also else ""
                     self.printer.line("launch", f"process {i} {_describe(code)}; stopping the others{also}")
@@ -186,7 +186,7 @@ class _Group:
             reader.join(timeout=5)
 
 
-def _consequence(failure: tuple[int, int]) -> tuple[int, int]:
+def _consequence_rank(failure: tuple[int, int]) -> tuple[int, int]:
     """Orders failures found at one poll, the likeliest cause first: when one process dies, another
     may abort within milliseconds (its collective's peer is gone: SIGABRT) or stop on losing it (69)."""
     process, code = failure
