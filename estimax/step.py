@@ -178,6 +178,9 @@ class Core:
         if not self.last_step_apart:
             last = jnp.arange(num_steps) == num_steps - 1
             return jax.lax.scan(lambda s, xs: self.train_step(s, *xs), state, (stack, last))
+        if num_steps == 1:
+            state, row = self.train_step(state, jax.tree.map(lambda x: x[0], stack), measure=True)
+            return state, jax.tree.map(lambda x: x[None], row)
 
         def unmeasured(carry, batch):
             state, finite = carry
@@ -186,9 +189,6 @@ class Core:
             kept = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, state)  # frozen from a NaN on
             return (kept, finite), outputs
 
-        if num_steps == 1:
-            state, row = self.train_step(state, jax.tree.map(lambda x: x[0], stack), measure=True)
-            return state, jax.tree.map(lambda x: x[None], row)
         head = jax.tree.map(lambda x: x[:-1], stack)
         (state, finite), rows = jax.lax.scan(unmeasured, (state, jnp.bool_(True)), head)
         # The last step, or the first non-finite one again from the state before it.
