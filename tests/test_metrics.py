@@ -565,7 +565,7 @@ def test_a_nan_in_evaluation_names_the_metric_and_the_examples(caplog):
     assert f"Metric 'loss' is NaN: 2 of {N} examples have NaN or Inf values" in caplog.text
 
 
-def _train(model_fn, labels, **config):
+def _train(model_fn, labels, last_step_apart=False, **config):
     from models import MLP, blobs
 
     features, _ = blobs(128)
@@ -575,6 +575,7 @@ def _train(model_fn, labels, **config):
         optimizer=optax.sgd(0.1),
         config=ex.RunConfig(train_batch_size=128, steps_per_loop=2, **config),
     )
+    est.core.last_step_apart = last_step_apart  # the loop GPUs run, here on the CPU
     return est.train(ex.data.from_arrays(features, labels), max_steps=2)
 
 
@@ -599,8 +600,10 @@ def test_labels_outside_the_classes_are_named_in_training():
         logits = model(features["x"])
         return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))
 
-    with pytest.raises(ex.NonFiniteError, match=r"The loss is not finite on 2 examples, whose labels are 5, 5"):
-        _train(loss_only, labels)
+    # Step 1 is not its loop's last: its labels are read because its loss is not finite, in both loops.
+    for last_step_apart in (False, True):
+        with pytest.raises(ex.NonFiniteError, match=r"The loss is not finite on 2 examples, whose labels are 5, 5"):
+            _train(loss_only, labels, last_step_apart)
 
 
 def test_metric_names_that_collide_are_refused_before_the_first_step(tmp_path):
