@@ -239,9 +239,9 @@ def grad_checks(grads, measure: bool | jax.Array, loss_labels: Callable | None =
     XLA:CPU, so with a device flag it runs under ``lax.cond`` (free when skipped), and
     ``measure=False`` leaves it out of the program (``train_loop``): an unmeasured step
     reports ``grad_norm`` NaN (not measured; the logs average measured steps only),
-    every flag True and no label (~0.5% of a step on XLA:CPU when computed every step).
-    A NaN/Inf is reported with the parameters and labels it hit because a non-finite loss
-    always measures its step.
+    every flag True and no label (the labels cost ~0.5% of a CPU step each time they are
+    read). A NaN/Inf is reported with the parameters and labels it hit because a
+    non-finite loss always measures its step.
     """
     leaves = jax.tree.leaves(grads)
     labels = None if loss_labels is None else jax.eval_shape(loss_labels)  # None: labels of another form
