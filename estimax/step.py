@@ -244,20 +244,25 @@ def grad_checks(grads, measure: bool | jax.Array, loss_labels: Callable | None =
     non-finite loss always measures its step.
     """
     leaves = jax.tree.leaves(grads)
-    labels = None if loss_labels is None else jax.eval_shape(loss_labels)  # None: labels of another form
+    labels_of = loss_labels or (lambda: None)
+    # What an unmeasured step reports instead: zeros of the labels' shape (None: no labels of that form).
+    no_labels = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(labels_of))
 
     def measured(leaves):
         squares = jnp.stack([jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves])
-        checks = {"grad_norm": jnp.sqrt(jnp.sum(squares)), "finite_grads": jnp.isfinite(squares)}
-        return checks if labels is None else {**checks, metrics_lib.LOSS_LABELS: loss_labels()}
+        return jnp.sqrt(jnp.sum(squares)), jnp.isfinite(squares), labels_of()
 
     def skipped(leaves):
-        checks = {"grad_norm": jnp.float32(jnp.nan), "finite_grads": jnp.ones(len(leaves), bool)}
-        return checks if labels is None else {**checks, metrics_lib.LOSS_LABELS: jnp.zeros(labels.shape, labels.dtype)}
+        return jnp.float32(jnp.nan), jnp.ones(len(leaves), bool), no_labels
 
     if isinstance(measure, bool):
-        return (measured if measure else skipped)(leaves)
-    return jax.lax.cond(measure, measured, skipped, leaves)
+        norm, finite, labels = (measured if measure else skipped)(leaves)
+    else:
+        norm, finite, labels = jax.lax.cond(measure, measured, skipped, leaves)
+    checks = {"grad_norm": norm, "finite_grads": finite}
+    if labels is not None:
+        checks[metrics_lib.LOSS_LABELS] = labels
+    return checks
 
 
 def eval_states_of(values: dict, mask: jax.Array) -> dict:
