@@ -25,7 +25,6 @@ under the lock. Where the checkpoints of a run live is ``run_dir.py``'s.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import errno
 import logging
 import os
@@ -39,6 +38,7 @@ import orbax.checkpoint as ocp
 from estimax import noise, orbax_s3, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
+from estimax.fenced_commit import temporary_path_class
 from estimax.save_schedule import SaveSchedule
 from estimax.storage import unanswered
 
@@ -59,13 +59,17 @@ class Checkpointer:
         policy: CheckpointPolicy | None = None,
         read_only: bool = False,
         best: tuple[str, str] | None = None,
+        lock=None,
     ):
-        """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric."""
+        """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric.
+        ``lock``: the model_dir's lock (``lock.py``, ``lease.py``), whose ``prove()`` fences every write."""
         noise.quiet_libraries()
         self.directory = storage.resolve(directory)
         self.policy = policy or CheckpointPolicy()
         self.read_only = read_only
         self._best = best
+        self._lock = lock or _NoLock()
+        self._attempt = ""  # this writer's name for its temporary folders (``fenced_commit.py``)
         self._manager = self._open(read_only)
         self._manager_writable = not read_only  # Orbax's manager may save and delete (``open_for_writing``)
         self._names_read: list[str] | None = None  # a local folder's names when Orbax last read its steps
@@ -78,21 +82,27 @@ class Checkpointer:
         self._primary = True
 
     def _open(self, read_only: bool) -> ocp.CheckpointManager:
-        policy, keep_every, best_options = self.policy, self.policy.keep_every_hours, {}
+        policy, best_options = self.policy, {}
         if self._best is not None:
             metric, direction = self._best
             best_options = dict(
                 best_fn=lambda m: m[metric], best_mode=direction, keep_checkpoints_without_metrics=False
             )
         store_options = orbax_s3.options() if storage.scheme(self.directory) == "s3" else {}
+        if not read_only:
+            store_options["temporary_path_class"] = temporary_path_class(
+                self.directory, self._lock.prove, self._attempt
+            )
+        # The latest checkpoints are kept by ``_prune`` (the best ones by Orbax): only committed steps are
+        # deleted, never one that is already gone, and nothing after this writer's lock was taken over.
+        keep = policy.keep if self._best is not None else None
         return storage.bounded(
             "opening the checkpoints",
             self.directory,
             ocp.CheckpointManager,
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=policy.keep,
-                keep_time_interval=None if keep_every is None else datetime.timedelta(hours=keep_every),
+                max_to_keep=keep,
                 enable_async_checkpointing=policy.async_save,
                 cleanup_tmp_directories=not read_only,
                 read_only=read_only,
@@ -101,11 +111,13 @@ class Checkpointer:
             ),
         )
 
-    def open_for_writing(self, primary: bool = True) -> None:
+    def open_for_writing(self, primary: bool = True, attempt: str = "") -> None:
         """Becomes the writer (the caller holds the model_dir's lock): leftovers of killed saves are
         cleaned up, and the damaged steps a restore found are moved aside (by ``primary`` only, the
-        one process that renames for a group)."""
+        one process that renames for a group). ``attempt``: the group's name for its temporary folders."""
         if self.read_only:
+            if attempt != self._attempt:
+                self._attempt, self._manager_writable = attempt, False  # opened again with the new name
             unfinished = self._unfinished_steps() if primary else []  # lists again: what others wrote is seen
             # One process that wrote here last, with nothing left unfinished since, goes on with the manager it
             # kept (its view was just reloaded); otherwise Orbax opens again and removes unfinished saves.
@@ -201,6 +213,13 @@ class Checkpointer:
             raise RuntimeError(f"Checkpointer of {self.directory} is read-only; open_for_writing() first.")
         if step in self._manager.all_steps():
             return
+        if step in self._lock.left:
+            logger.warning(
+                "Step %d is not saved in %s: an earlier holder of the model_dir's lock may still be writing it "
+                "(it was saving it when its lease was taken over); the next checkpoint is saved as usual.",
+                step, self.directory,
+            )  # fmt: skip
+            return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
         meta = {"step": step, "input_state": input_state, "checksums": sums, "saved_at": time.time()}
         if self.run_meta:
@@ -208,9 +227,13 @@ class Checkpointer:
         if loop is not None:
             meta["loop"] = loop
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self._saving = step
-        self.schedule.started()
-        with self._disk_errors():
+        with self._disk_errors(), self._lock_errors():
+            self._manager.wait_until_finished()  # the save before (Orbax would wait for it in ``save``)
+            self.schedule.finished()
+            self._prune()
+            self._lock.prove(saving=step)  # a successor never writes this step (``fenced_commit.py``)
+            self._saving = step
+            self.schedule.started()
             self._manager.save(step, args=args, force=True, metrics=metrics)
         if not self.policy.async_save:
             self.schedule.finished()
@@ -356,12 +379,65 @@ class Checkpointer:
         return self._manager.restore(step, args=args).state
 
     def wait(self) -> None:
-        with self._disk_errors():
+        """Waits for the save in flight, then deletes the steps past the policy's ``keep``."""
+        with self._disk_errors(), self._lock_errors():
             self._manager.wait_until_finished()
+            if not self.read_only:
+                self._prune()
         self.schedule.finished()
+
+    def _prune(self) -> None:
+        """Deletes the committed steps before the ``policy.keep`` newest, but one every ``keep_every_hours``
+        (by commit time), oldest first, once this process proved it holds the lock; a step already gone
+        (another process deleted it) is skipped. Called with no save in flight, on every process alike."""
+        if self._best is not None:
+            return  # Orbax keeps the best ones
+        steps = sorted(self._manager.all_steps())
+        doomed = [s for s in steps[: -self.policy.keep] if s not in self._kept_by_time(steps)]
+        if not doomed:
+            return
+        self._lock.prove()
+        for step in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                storage.bounded("deleting an old checkpoint", self.directory, self._manager.delete, step)
+
+    def _kept_by_time(self, steps: list[int]) -> set[int]:
+        """The steps ``keep_every_hours`` keeps: the first, then each committed that long after the last kept."""
+        hours = self.policy.keep_every_hours
+        if hours is None:
+            return set()
+        kept, last = set(), None
+        for step in steps:
+            committed = self._manager.metadata(step).commit_timestamp_nsecs or 0
+            if last is None or committed - last >= hours * 3600e9:
+                kept.add(step)
+                last = committed
+        return kept
+
+    @contextlib.contextmanager
+    def _lock_errors(self):
+        """A save that failed because this process lost the model_dir's lock (its commit was refused,
+        ``fenced_commit.py``) raises the lock's own error: one line, exit code 74."""
+        try:
+            yield
+        except Exception:
+            self._lock.check()
+            raise
 
     def close(self) -> None:
         self._manager.close()
+
+
+class _NoLock:
+    """The lock of a checkpointer that holds none (a reader, or a test's): nothing to prove."""
+
+    left = ()
+
+    def check(self) -> None:
+        pass
+
+    def prove(self, saving: int | None = None) -> None:
+        pass
 
 
 def locate(path: str) -> tuple[Checkpointer, int | None]:

@@ -92,6 +92,7 @@ class LeaseLock:
         self.deadline_seconds = deadline_seconds or seconds_from_environment(DEADLINE_SECONDS, 120.0)
         self.committed_step: Callable[[], int | None] = lambda: None
         self.held = False
+        self.left: tuple[int, ...] = ()  # steps an earlier holder may still be writing: never written here
         self._object = None
         self._record: dict = {}
         self._version: str | None = None
@@ -120,6 +121,7 @@ class LeaseLock:
         over an earlier attempt's lease at once and a later attempt takes over its own (readers never do)."""
         if self.held:
             return self
+        self.left = ()
         self._object = self._object or open_object(self.path)
         self._record = {**holder_record(training), "lease_seconds": self.lease_seconds}
         began = time.monotonic()
@@ -163,6 +165,8 @@ class LeaseLock:
                 f"lease expires ({holder['lease_seconds']:g} s without renewal), or delete it: "
                 f"{delete_command(self.path)}."
             )
+        self.left = left_steps(holder)
+        self._record["left"] = list(self.left)  # passed on: a paused holder may write them whenever it runs
         started = time.monotonic()
         self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
         reason = (
@@ -336,6 +340,28 @@ class LeaseLock:
         if lost is not None:
             raise type(lost)(str(lost))
 
+    def prove(self, saving: int | None = None) -> None:
+        """Returns once a renewal that began after this call succeeded: the lease is this process's now,
+        not only within the window of its last renewal; raises as ``check()`` does. Called before a write
+        that must not land after a takeover (a checkpoint's creation and commit, a deletion).
+        ``saving``: the step of the checkpoint about to be written, named in the lease from this renewal
+        on, so that a process that takes the lease over never writes that step (``fenced_commit.py``)."""
+        if not self.held:
+            return
+        self.check()
+        began = time.monotonic()
+        with self._changed:
+            if saving is not None:
+                self._record["saving"] = saving
+            self._wake.set()
+            self._changed.wait_for(lambda: self._lost is not None or self._proof_started >= began,
+                                   2 * self._call_seconds + 1)  # fmt: skip
+            lost = self._lost
+            if lost is None and self._proof_started < began:
+                lost = self._unreachable(TimeoutError("no verdict from the renewal"))
+        if lost is not None:
+            raise type(lost)(str(lost))
+
     def writable(self) -> bool:
         """Whether this process may write under the lock now (``check()`` without the error)."""
         try:
@@ -401,6 +427,13 @@ def parse(content: bytes, path: str) -> dict:
         "writer leaves there. It is no estimax lease (a copy or another tool left it). Fix: if no estimax "
         f"process writes into {storage.parent(path)}, delete it: {delete_command(path)}."
     )
+
+
+def left_steps(holder: dict, most: int = 16) -> tuple[int, ...]:
+    """The steps a holder whose lease is taken over may still be writing, which its successor never
+    writes: the one it was saving and those it was left itself (the newest ``most``)."""
+    steps = {s for s in [holder.get("saving"), *holder.get("left", ())] if isinstance(s, int)}
+    return tuple(sorted(steps)[-most:])
 
 
 def delete_command(path: str) -> str:

@@ -63,6 +63,7 @@ class Lock:
         self.path = os.path.join(self.model_dir, LOCK_FILE)
         self.held = False
         self.committed_step: Callable[[], int | None] = lambda: None  # what a lost lock says to resume from
+        self.left: tuple[int, ...] = ()  # on a disk every attempt writes a step under names of its own
         self._record: dict = {}
 
     def acquire(self, training: bool = False) -> Lock:
@@ -131,6 +132,11 @@ class Lock:
         holder = read_holder(self.path)
         if holder != self._record:
             raise taken_over(self.model_dir, self.path, holder, self._record, self.committed_step())
+
+    def prove(self, saving: int | None = None) -> None:
+        """``check()``: on a disk it reads the lock file each time (``saving`` is not needed here: every
+        attempt writes a step under a temporary name of its own, see ``fenced_commit.py``)."""
+        self.check()
 
     def writable(self) -> bool:
         """Whether this process may write under the lock now (``check()`` without the error)."""

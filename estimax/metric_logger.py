@@ -60,6 +60,7 @@ class MetricLogger(Hook):
         self.log_every_steps = log_every_steps
         self.global_batch_size = global_batch_size
         self.num_devices, self.peak_tflops, self.tokens_per_example = num_devices, peak_tflops, tokens_per_example
+        self._last_step = 0  # of the last loop seen
         self._reset()
 
     def _reset(self) -> None:
@@ -68,6 +69,7 @@ class MetricLogger(Hook):
         self._states: dict[str, metrics_lib.Metric] = {}
         self._steps = self._timed_steps = 0
         self._timed_seconds = self._wall = self._wait = 0.0
+        self._flops_per_step = None
 
     def begin(self, run: RunInfo) -> None:
         self._reset()
@@ -86,13 +88,18 @@ class MetricLogger(Hook):
         for writer in self.step_writers:  # the loop's points in one call: encoded off the training thread
             writer.write_steps("train", loop.step_before + 1, scalars, SAMPLED)
         self._steps += loop.num_steps
+        self._flops_per_step = loop.flops_per_step
         if loop.seconds is not None:
             self._timed_steps += loop.num_steps
             self._timed_seconds += loop.seconds
             self._wall += loop.seconds
             self._wait += loop.input_wait_seconds
-        if not (loop.crossed(self.log_every_steps) or loop.final) or self._steps == 0:
-            return
+        self._last_step = loop.step_after
+        if (loop.crossed(self.log_every_steps) or loop.final) and self._steps:
+            self._write_window(loop.step_after)
+
+    def _write_window(self, step: int) -> None:
+        """The ``train`` record of the steps since the last one, at ``step``."""
         means = {k: self._sums[k] / self._counts[k] for k in self._sums if self._counts[k]}
         window = {}
         for name, state in self._states.items():
@@ -102,14 +109,14 @@ class MetricLogger(Hook):
             window.update(steps_per_sec=steps_per_sec, examples_per_sec=steps_per_sec * self.global_batch_size)
             if self.tokens_per_example:
                 window["tokens_per_sec"] = window["examples_per_sec"] * self.tokens_per_example
-            if loop.flops_per_step:
+            if self._flops_per_step:
                 window.update(
-                    flops_lib.achieved(loop.flops_per_step, steps_per_sec, self.num_devices, self.peak_tflops)
+                    flops_lib.achieved(self._flops_per_step, steps_per_sec, self.num_devices, self.peak_tflops)
                 )
             window["input_wait_fraction"] = min(self._wait / max(self._wall, 1e-9), 1.0)
-        self._write(self.writers, "train", loop.step_after, {**means, **window})
+        self._write(self.writers, "train", step, {**means, **window})
         if window:
-            self._write(self.step_writers, "train", loop.step_after, window)
+            self._write(self.step_writers, "train", step, window)
         self._reset()
 
     def after_eval(self, evaluation: EvalRecord) -> None:
@@ -120,11 +127,15 @@ class MetricLogger(Hook):
         self._write(self.writers + self.step_writers, "summary", summary.step, {**values, **summary.metrics})
         self.close()
 
-    def write_now(self) -> None:
-        """The writers on threads of their own write what they were handed, without waiting for their
-        next batch (training saves a checkpoint: its steps' records go to disk before it is committed)."""
+    def flush(self) -> None:
+        """Makes every record handed to the hook so far durable (a checkpoint of the last step it saw is
+        about to be saved): the steps since the last ``train`` record are written as one, so that a run
+        resumed from that checkpoint leaves no gap in the history; then the run's files are written and
+        flushed (on a store, uploaded), waiting for them."""
+        if self._steps:
+            self._write_window(self._last_step)
         for writer in self.writers + self.step_writers:
-            getattr(writer, "wake", lambda: None)()
+            getattr(writer, "flush", lambda: None)()
 
     def close(self, raise_errors: bool = True) -> None:
         """Closes every writer (once; ``end`` does): the file writers write what they hold. With

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import uuid
 
 import jax
 
@@ -67,10 +68,11 @@ class RunDir:
         self.url = storage.resolve(model_dir)
         check_supported(self.url)
         check_not_below_file(self.url)
-        self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True)
-        self.checkpoints.run_meta = dict(run_meta or {})
         self.lock = lock_for(self.url)
+        self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True, lock=self.lock)
+        self.checkpoints.run_meta = dict(run_meta or {})
         self.lock.committed_step = self.checkpoints.committed_step  # what a lost lease says to resume from
+        self._attempt = uuid.uuid4().hex[:8]  # this process's name for its temporary folders (fenced_commit.py)
 
     def __repr__(self) -> str:
         return f"RunDir({self.url!r})"
@@ -95,9 +97,8 @@ class RunDir:
 
     def best(self, metric: str, direction: str) -> Checkpointer:
         """The best checkpoint by ``metric`` (``direction`` "max" or "min"), opened by ``writing``."""
-        return Checkpointer(
-            self.path(BEST), CheckpointPolicy(every_steps=None, keep=1), read_only=True, best=(metric, direction)
-        )
+        policy = CheckpointPolicy(every_steps=None, keep=1)
+        return Checkpointer(self.path(BEST), policy, read_only=True, best=(metric, direction), lock=self.lock)
 
     def file_writers(self, tensorboard: bool, continuing_from: int | None = None) -> list:
         """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own.
@@ -138,6 +139,7 @@ class RunDir:
             except (ModelDirLockedError, ModelDirNotWritableError, StorageError) as error:
                 outcome = f"{type(error).__name__}:{error}"
         outcome = sync.share("taking the model_dir lock", outcome)
+        attempt = sync.share("the name of this attempt's temporary folders", self._attempt)
         if outcome != "ok":
             kind, text = outcome.split(":", 1)
             raise {
@@ -146,9 +148,9 @@ class RunDir:
                 "StoreUnavailableError": StoreUnavailableError,
             }.get(kind, StorageError)(text)
         try:
-            self.checkpoints.open_for_writing(primary)
+            self.checkpoints.open_for_writing(primary, attempt)
             if best is not None:
-                best.open_for_writing(primary)
+                best.open_for_writing(primary, attempt)
             yield
         finally:
             try:

@@ -26,6 +26,7 @@ from estimax.data import feed
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import TrainRunner
 from estimax.profiling import Profiler
+from estimax.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
 from estimax.training import Evaluation, TrainingLoop
@@ -101,11 +102,12 @@ class Trainer:
             for writer in writers:
                 writer.write("resize", start, resized)
         metric_logger = self.writers.metric_logger(writers)
+        best = (evaluation.best, evaluation.best_metric) if evaluation is not None and evaluation.best else None
+        saves = Saves(self.run_dir, self.sync, metric_logger, self.plan, best)
+        profiler = Profiler(self.config.profile_steps, self.run_dir.profile_dir, start, target)
         loop = TrainingLoop(
-            runner, self.run_dir.checkpoints, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
-            skip_nonfinite=self.config.skip_nonfinite, sync=self.sync, saved_position=self.plan.saved_position,
-            profiler=Profiler(self.config.profile_steps, self.run_dir.profile_dir, start, target),
-            fence=self.run_dir.fence, records_due=metric_logger.write_now,
+            runner, saves, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
+            skip_nonfinite=self.config.skip_nonfinite, profiler=profiler, sync=self.sync,
         )  # fmt: skip
         info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url)
         with feed.Prefetch(chunks) as chunks:

@@ -22,11 +22,12 @@ from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
-from estimax.errors import ConfigError, LeaseLostError, NonFiniteError, StoreUnavailableError
+from estimax.errors import LeaseLostError, NonFiniteError, StoreUnavailableError
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
+from estimax.saves import Saves
 
 logger = logging.getLogger("estimax")
 
@@ -92,24 +93,17 @@ class TrainingLoop:
     def __init__(
         self,
         runner,
-        checkpointer,
+        saves: Saves,
         hooks: Sequence[Hook],
         param_names: list[str],
         *,
         skip_nonfinite: bool,
         profiler: Profiler,
         sync: Sync | None = None,
-        saved_position: Callable = lambda position: position,
-        fence: Callable[[], None] = lambda: None,
-        records_due: Callable[[], None] = lambda: None,
     ):
-        self.runner, self.checkpointer, self.hooks = runner, checkpointer, list(hooks)
-        self._saves_at_end = checkpointer.saves and checkpointer.policy.at_end
-        self.records_due = records_due  # the writers write what they hold now: a checkpoint is about to be saved
+        self.runner, self.saves, self.hooks = runner, saves, list(hooks)
         self.param_names, self.skip_nonfinite, self.profiler = param_names, skip_nonfinite, profiler
         self.sync = sync or Sync()  # barriers and status with several processes; free with one
-        self.saved_position = saved_position  # what a checkpoint keeps of the input's position
-        self.fence = fence  # raises once the model_dir's lease is lost: nothing more may be written
         # Whether a hook may stop after a loop (decided here only): then each loop is read before the next
         # is dispatched. The built-in hooks never stop (``may_stop = False``) and keep the overlap.
         self.exact_stops = any(map(may_stop, self.hooks))
@@ -119,7 +113,6 @@ class TrainingLoop:
         self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
         self._stop_reason = ""
-        self._saved_step: int | None = None
         self._unsaved_note = ""  # the last line's note of a call that ended without saving its step
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
@@ -133,23 +126,24 @@ class TrainingLoop:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
         self.sync.barrier(f"the first loop (training from step {info.start_step})")
-        self.sync.track_checkpoints(self.checkpointer.committed_step)  # named if a process is lost
+        self.saves.begin()
         try:
-            with PreemptionWatch(saves=self.checkpointer.saves) as preemption:
+            with PreemptionWatch(saves=self.saves.enabled) as preemption:
                 state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
                 self._finish(state, last, unread, evaluation, preemption)
             step = info.start_step if last is None else last.step_after
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:
-                saved = self.checkpointer.latest_step() == step
-                stopped = preemption_lib.stopped(
-                    step, preemption.signal_name, self.checkpointer.directory if saved else None
-                )
+                saved = self.saves.latest_step() == step
+                stopped = preemption_lib.stopped(step, preemption.signal_name, self.saves.directory if saved else None)
                 logger.warning("%s", stopped)
                 raise stopped
             return state, step
-        except BaseException:
-            self.checkpointer.wait()  # saves in flight complete: checkpoints already written stay valid
+        except BaseException as error:
+            self.saves.wait()  # saves in flight complete: checkpoints already written stay valid
+            if isinstance(error, StoreUnavailableError) and "resume from" not in str(error):
+                # a store that stopped answering under a writer: the line says where the run resumes
+                raise StoreUnavailableError(f"{str(error).rstrip('.')}; {self.saves.resume_note()}.") from None
             raise
 
     def _loops(self, state, step: int, chunks, publish: Callable, evaluation, preemption):
@@ -182,8 +176,8 @@ class TrainingLoop:
         device's idle seconds before this dispatch) is reported with the next loop read.
         """
         before, step = current.step_before, current.step_after
-        self.fence()
-        due, stop = self._due(before, step), False
+        self.saves.fence()
+        due, stop = self.saves.due(before, step), False
         with self._saving_on_error(state, current, due):
             if unread is not None:
                 stop |= self._after_loop(unread, waited)
@@ -197,44 +191,35 @@ class TrainingLoop:
                 return unread, True
         evaluating = evaluation is not None and counting.crossed(evaluation.every_steps, before, step)
         # A failed evaluation ends training: the state it evaluated is saved first.
-        with self._saving_on_error(state, current, due or evaluating and self.checkpointer.saves):
+        with self._saving_on_error(state, current, due or evaluating and self.saves.enabled):
             if unread is not None and (evaluating or due):  # they wait for this loop anyway: report it, untimed
                 stop |= self._after_loop(current, 0.0, untimed=True)
                 unread = None
             if evaluating:
                 stop |= self._evaluate(evaluation, state, current, preemption)
         if due:
-            self.records_due()  # a checkpoint's steps have their records written before it is committed
             self._save(state, current)
         if stop:
             self.stopped = True
             logger.info("Training stopped at step %d: %s.", step, self._stop_reason)
         return unread, stop
 
-    def _due(self, before: int, step: int) -> bool:
-        """Whether a save is due here: the same answer on every process (process 0's, where it
-        depends on the clock: ``every_seconds``, ``max_overhead``), or their barriers would part."""
-        due = self.checkpointer.due(before, step)
-        if self.checkpointer.clock_decides(before, step):
-            due = self.sync.share(f"whether the checkpoint of step {step} is due", "due" if due else "") == "due"
-        return due
-
     def _finish(self, state, last: _Loop | None, unread: _Loop | None, evaluation, preemption) -> None:
         """The last read, the final evaluation and save; waits for the saves in flight."""
         # Still watching: a signal during the final save is one line, and the save completes.
-        with self._saving_on_error(state, last, self.checkpointer.saves and last is not None):
+        with self._saving_on_error(state, last, self.saves.enabled and last is not None):
             if unread is not None:
                 self._after_loop(unread, 0.0, final=True)
             if preemption.signal_name is None and evaluation is not None and not self.stopped:
                 self._evaluate(evaluation, state, last, preemption, final=True)
-        if last is not None and (self._saves_at_end or self.checkpointer.saves and preemption.signal_name):
+        if last is not None and (self.saves.at_end or self.saves.enabled and preemption.signal_name):
             self._save(state, last)
         self.profiler.stop(state)
         timer = time.perf_counter()
-        self.checkpointer.wait()
+        self.saves.wait()
         self.seconds["checkpoint"] += time.perf_counter() - timer
-        if last is not None and self.checkpointer.saves and self._saved_step != last.step_after:  # at_end=False
-            latest = self.checkpointer.latest_step()
+        if last is not None and self.saves.enabled and self.saves.saved_step != last.step_after:  # at_end=False
+            latest = self.saves.latest_step()
             self._unsaved_note = f"; step {last.step_after} not saved (CheckpointPolicy(at_end=False)), " + (
                 "no checkpoint yet" if latest is None else f"the last checkpoint is step {latest}"
             )
@@ -290,7 +275,7 @@ class TrainingLoop:
             names = (
                 [n for n, ok in zip(self.param_names, finite[i], strict=True) if not ok] if finite is not None else []
             )
-            last = self.checkpointer.latest_step()
+            last = self.saves.latest_step()
             raise NonFiniteError(
                 f"Non-finite values at step {loop.step_before + i + 1} (in the loop of steps "
                 f"{loop.step_before + 1}-{loop.step_after}): loss {outputs['loss'][i]}; non-finite gradients "
@@ -303,17 +288,12 @@ class TrainingLoop:
         return outputs
 
     def _save(self, state, loop: _Loop) -> None:
-        if self._saved_step == loop.step_after:  # saved on an error already
+        if self.saves.saved_step == loop.step_after:  # saved on an error already
             return
         self._checked(loop)  # never save a state that came out of a NaN
-        timer = time.perf_counter()
-        self.sync.barrier(f"the checkpoint of step {loop.step_after}")
-        self.fence()
-        self.checkpointer.save(loop.step_after, state, self.saved_position(loop.input_state), loop=self.runner.loop)
-        elapsed = time.perf_counter() - timer
+        elapsed = self.saves.save(loop.step_after, state, loop.input_state, self.runner.loop)
         self.seconds["checkpoint"] += elapsed
         self.laps.pause(elapsed)
-        self._saved_step = loop.step_after
 
     def _evaluate(
         self, evaluation: Evaluation, state, loop: _Loop, preemption: PreemptionWatch, final: bool = False
@@ -332,14 +312,7 @@ class TrainingLoop:
         record = EvalRecord(loop.step_after, "eval", metrics, elapsed)
         stopping = [hook for hook in self.hooks if hook.after_eval(record)]
         stop = self._asked_to_stop(stopping, "after_eval", loop.step_after)
-        if evaluation.best is not None:
-            if evaluation.best_metric not in metrics:
-                raise ConfigError(
-                    f"Best(metric={evaluation.best_metric!r}) is not among the evaluation's metrics "
-                    f"{sorted(metrics)}; expected one of them. Fix: pass one of those names."
-                )
-            self.fence()
-            evaluation.best.save(loop.step_after, state, self.saved_position(loop.input_state), metrics=metrics)
+        self.saves.save_best(loop.step_after, state, loop.input_state, metrics)
         return stop and not final
 
     def _end(self, step: int, wall: float) -> None:

@@ -54,9 +54,28 @@ class InBackground:
     def write_steps(self, split: str, first_step: int, columns, sampled=()) -> None:
         self._put((self.writer.write_steps, (split, first_step, columns, sampled)))
 
-    def wake(self) -> None:
-        """Writes what was handed so far now, on the writer's thread, not at its next batch."""
+    def flush(self) -> None:
+        """Returns once what was handed so far is written and flushed to where it goes (on a store,
+        uploaded), waiting at most ``CLOSE_TIMEOUT``; raises the writer's error. A writer without a
+        ``flush`` of its own (a tracker) is not waited for: a checkpoint waits on the run's own files."""
+        if not hasattr(self.writer, "flush"):
+            return
+        done = threading.Event()
+        self._put((self._flushed, (done,)))
         self._wake.set()
+        if not done.wait(self.CLOSE_TIMEOUT):
+            raise WriterError(
+                f"{type(self.writer).__name__} to {self.where} did not write its records within "
+                f"{self.CLOSE_TIMEOUT:.0f} s. Expected a writable location that answers. Fix: check that location "
+                "(a stalled mount or server), or turn the writer off."
+            )
+        self._raise_if_failed()
+
+    def _flushed(self, done: threading.Event) -> None:
+        try:
+            self.writer.flush()
+        finally:
+            done.set()
 
     def _put(self, call) -> None:
         self._raise_if_failed()
@@ -83,6 +102,8 @@ class InBackground:
                     break
                 closing = item is _CLOSE
                 if closing or self._error is not None or not self.writable():
+                    if not closing and item[0] == self._flushed:
+                        item[1][0].set()  # nothing more is written: the waiter finds out why
                     continue  # failed, or the model_dir's lease is lost (training says so): records are dropped
                 function, args = item
                 try:
