@@ -184,12 +184,20 @@ class Checkpointer:
             self.refresh()
         return self._manager.latest_step()
 
-    def committed_step(self) -> int | None:
-        """The latest step whose save has finished, from memory and a local folder's names (no store call)."""
+    def committed_step(self, read: bool = False) -> int | None:
+        """The latest committed step: on a local disk from the folder's names (a step is committed by the
+        rename of its folder, whoever saved it); on a bucket from memory, or with ``read`` from a listing
+        (a failing store may be why it is asked: only ``read`` calls it)."""
+        names = self._local_names()
+        if names is not None:
+            return max((int(name) for name in names if name.isdigit()), default=None)
+        if read:
+            with contextlib.suppress(Exception):  # the listing failed: what this process saw
+                storage.forget_listings(self.directory)
+                return max(storage.bounded("listing the checkpoints", self.directory, self._manager.all_steps, True),
+                           default=None)  # fmt: skip
         steps = set(self._manager.all_steps())
-        # Orbax lists a step before it is committed; a local one is once renamed (a group's save then waits on).
-        in_flight = not self.read_only and self._manager.is_saving_in_progress()
-        if in_flight and str(self._saving) not in (self._local_names() or ()):
+        if not self.read_only and self._manager.is_saving_in_progress():  # listed before it is committed
             steps.discard(self._saving)
         return max(steps, default=None)
 

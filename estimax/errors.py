@@ -44,6 +44,7 @@ __all__ = [
     "NonFiniteError",
     "ModelDirLockedError",
     "LeaseLostError",
+    "SupersededError",
     "ModelDirNotWritableError",
     "ServingError",
     "ArtifactError",
@@ -167,6 +168,13 @@ class ModelDirLockedError(EstimaxError, RuntimeError):
 class LeaseLostError(ModelDirLockedError):
     """Another process took over the model_dir's lease while this one held it (this one was paused,
     starved or cut off for longer than the lease): this one has stopped writing."""
+
+    exit_code = STORE_FAILURE_EXIT_CODE
+
+
+class SupersededError(ModelDirLockedError):
+    """A later attempt of this process's run (``ESTIMAX_RUN_ID``) holds the model_dir: this one, started
+    earlier, writes nothing and ends as a process whose lease was taken over does."""
 
     exit_code = STORE_FAILURE_EXIT_CODE
 

@@ -10,10 +10,10 @@ took over meanwhile. So:
   (``<step>.orbax-checkpoint-tmp-<attempt>``): two attempts never write the same files,
   and a rename never lands on a step another attempt committed (a folder is renamed only
   onto a name that is free);
-- the creation and the commit of a step first prove that this process holds the lock
-  now (``prove()`` of ``lock.py`` / ``lease.py``: on a bucket, a renewal of the lease that
-  began after the call): after a takeover they raise the lock's error, and nothing is
-  renamed or marked;
+- a save starts (``checkpoint.py``) and a step is committed only once this process proved
+  that it holds the lock now (``prove()`` of ``lock.py`` / ``lease.py``): after a takeover
+  the commit raises the lock's error, and nothing is renamed or marked (the creation of a
+  step is not fenced here: Orbax's helper threads would wait for it until their timeout);
 - on a bucket a step is written in place, so the step a writer is about to save is named in
   its lease first (``prove(saving=step)``), and the attempt that takes the lease over
   never writes that step (``lease.py``): the late writes of a paused writer land in a step
@@ -32,16 +32,12 @@ from estimax import storage
 
 def temporary_path_class(directory: str, prove: Callable[[], None], attempt: str) -> type:
     """The Orbax ``TemporaryPath`` class of a writer of ``directory``: ``prove()`` before a step's
-    creation and its commit, and on a disk the temporary folder named after ``attempt``."""
+    commit, and on a disk the temporary folder named after ``attempt``."""
     from orbax.checkpoint._src.path import atomicity
 
     if storage.is_url(directory):
 
         class FencedCommitFile(atomicity.CommitFileTemporaryPath):
-            async def create(self):
-                await asyncio.to_thread(prove)
-                return await super().create()
-
             async def finalize(self):
                 await asyncio.to_thread(prove)
                 await super().finalize()
@@ -53,10 +49,6 @@ def temporary_path_class(directory: str, prove: Callable[[], None], attempt: str
         def from_final(cls, final_path, **options):
             temporary = final_path.parent / f"{final_path.name}{atomicity.TMP_DIR_SUFFIX}-{attempt}"
             return cls(temporary, final_path, **options)
-
-        async def create(self):
-            await asyncio.to_thread(prove)
-            return await super().create()
 
         async def finalize(self):
             await asyncio.to_thread(prove)

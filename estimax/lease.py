@@ -34,6 +34,7 @@ what is written under it (``run_dir.py`` asks ``check()``/``writable()``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -75,6 +76,7 @@ PAUSE_SECONDS = 1.0
 """A holder that names its run renews before writing again after a pause this long (SIGSTOP, a frozen VM,
 a starved process): meanwhile a later attempt of its run may have taken the lease over."""
 _TICK_SECONDS = 0.1  # how often the pause watcher looks at the clock
+_IDENTITY = ("host", "pid", "process_start", "run", "attempt_started")  # whose lease a record is
 
 
 class LeaseLock:
@@ -90,7 +92,7 @@ class LeaseLock:
         self.path = storage.join(self.model_dir, LOCK_FILE)
         self.lease_seconds = lease_seconds or seconds_from_environment(LEASE_SECONDS, 60.0)
         self.deadline_seconds = deadline_seconds or seconds_from_environment(DEADLINE_SECONDS, 120.0)
-        self.committed_step: Callable[[], int | None] = lambda: None
+        self.committed_step: Callable[..., int | None] = lambda read=False: None
         self.held = False
         self.left: tuple[int, ...] = ()  # steps an earlier holder may still be writing: never written here
         self._object = None
@@ -253,6 +255,8 @@ class LeaseLock:
             try:
                 version = self._object.replace(self._encoded(), self._version, self._call_seconds)
             except Changed:
+                with self._changed:  # nothing is written from now on, however long the line takes to compose
+                    self._lost = LeaseLostError(f"model_dir {self.model_dir}: another process took over {self.path}.")
                 return self._lose(self._taken_over())
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
                 left = self._proven_until - time.monotonic()
@@ -289,18 +293,21 @@ class LeaseLock:
             os._exit(STORE_FAILURE_EXIT_CODE)
 
     def _taken_over(self) -> LeaseLostError:
+        step = None
         try:
             found = self._object.read(self._call_seconds)
             holder = parse(found[0], self.path) if found else None
+            step = self.committed_step(read=True)  # the store answers: what is committed there now
             if holder is not None and continues(holder, self._record):
-                return taken_over(self.model_dir, self.path, holder, self._record, self.committed_step())
+                return taken_over(self.model_dir, self.path, holder, self._record, step)
             taker = describe(holder) if holder else "nobody holds it now (it was deleted)"
         except Exception as error:  # noqa: BLE001 - the loss is what matters; who took it is a detail
             taker = f"unknown (reading the lock failed: {one_line(error)})"
+        step = self.committed_step() if step is None else step
         return LeaseLostError(
             f"model_dir {self.model_dir}: another process took over the lock {self.path} while this one held it "
             f"(this one was paused or cut off for longer than the {self.lease_seconds:g} s lease): {taker}. This "
-            f"process stopped writing before its lease could expire; {self._resume()}. Expected one writer per "
+            f"process stopped writing before its lease could expire; {resume(step)}. Expected one writer per "
             "model_dir. Fix: let the other process finish, or stop it and run the same command again."
         )
 
@@ -341,14 +348,24 @@ class LeaseLock:
             raise type(lost)(str(lost))
 
     def prove(self, saving: int | None = None) -> None:
-        """Returns once a renewal that began after this call succeeded: the lease is this process's now,
-        not only within the window of its last renewal; raises as ``check()`` does. Called before a write
-        that must not land after a takeover (a checkpoint's creation and commit, a deletion).
-        ``saving``: the step of the checkpoint about to be written, named in the lease from this renewal
-        on, so that a process that takes the lease over never writes that step (``fenced_commit.py``)."""
+        """Returns when this process holds the lease now, not only within the window of its last renewal;
+        raises as ``check()`` does. Called before a write that must not land after a takeover (a
+        checkpoint's creation and commit, a deletion, an upload of the records). A holder that a later
+        attempt of its run may take over at any moment reads the lease (a takeover replaced it).
+        ``saving``: the step of the checkpoint about to be written, named in the lease by a renewal
+        that began after this call, so that a process that takes the lease over, even once it expired,
+        never writes that step (``fenced_commit.py``)."""
         if not self.held:
             return
         self.check()
+        if saving is None and not self._watches_pauses:
+            return  # taken over only once expired, which ``check()`` rules out
+        if saving is None:
+            with contextlib.suppress(Exception):  # a read that failed: a renewal gives the verdict
+                found = self._object.read(self._call_seconds)
+                holder = parse(found[0], self.path) if found else None
+                if holder is not None and all(holder.get(k) == self._record.get(k) for k in _IDENTITY):
+                    return
         began = time.monotonic()
         with self._changed:
             if saving is not None:

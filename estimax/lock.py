@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 
 from estimax import storage
-from estimax.errors import LeaseLostError, ModelDirLockedError, ModelDirNotWritableError
+from estimax.errors import LeaseLostError, ModelDirLockedError, ModelDirNotWritableError, SupersededError
 
 logger = logging.getLogger("estimax")
 
@@ -62,7 +62,7 @@ class Lock:
         self.model_dir = storage.resolve(model_dir)
         self.path = os.path.join(self.model_dir, LOCK_FILE)
         self.held = False
-        self.committed_step: Callable[[], int | None] = lambda: None  # what a lost lock says to resume from
+        self.committed_step: Callable[..., int | None] = lambda read=False: None  # what a lost lock says to resume from
         self.left: tuple[int, ...] = ()  # on a disk every attempt writes a step under names of its own
         self._record: dict = {}
 
@@ -215,9 +215,9 @@ def continues(record: dict, holder: dict) -> bool:
     return bool(run) and holder.get("run") == run and numbers and before < started
 
 
-def superseded(model_dir: str, holder: dict) -> ModelDirLockedError:
+def superseded(model_dir: str, holder: dict) -> SupersededError:
     """The error of a process of an earlier attempt that finds a later attempt of its run holding the lock."""
-    return ModelDirLockedError(
+    return SupersededError(
         f"model_dir {model_dir} is being written by a later attempt of this process's run "
         f"({RUN_ID}={holder['run']}): {describe(holder)}; this process started before it. Expected one writer "
         "per model_dir: the latest attempt of a run. Fix: none needed: the later attempt carries the run on."

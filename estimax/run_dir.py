@@ -32,16 +32,10 @@ import uuid
 
 import jax
 
-from estimax import storage
+from estimax import errors, storage
 from estimax.checkpoint import CHECKPOINTS, Checkpointer
 from estimax.config import CheckpointPolicy
-from estimax.errors import (
-    ConfigError,
-    ModelDirLockedError,
-    ModelDirNotWritableError,
-    StorageError,
-    StoreUnavailableError,
-)
+from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
 from estimax.lease import lock_for
 
 logger = logging.getLogger("estimax")
@@ -107,11 +101,12 @@ class RunDir:
         from estimax.writer_thread import InBackground
         from estimax.writers import JsonlWriter, TensorBoardWriter
 
-        writable = self.lock.writable  # nothing is written once the lease is lost
+        # Nothing is written once the lock is lost, and an upload to a store first proves it is held.
+        writable, fence = self.lock.writable, self.lock.prove
         metrics, events = self.path(METRICS), self.path(TENSORBOARD)
-        writers: list = [InBackground(JsonlWriter(metrics, continuing_from), metrics, writable)]
+        writers: list = [InBackground(JsonlWriter(metrics, continuing_from, fence), metrics, writable)]
         if tensorboard:
-            writers.append(InBackground(TensorBoardWriter(events, continuing_from), events, writable))
+            writers.append(InBackground(TensorBoardWriter(events, continuing_from, fence), events, writable))
         return writers
 
     def records(self, split: str) -> list[dict]:
@@ -140,13 +135,10 @@ class RunDir:
                 outcome = f"{type(error).__name__}:{error}"
         outcome = sync.share("taking the model_dir lock", outcome)
         attempt = sync.share("the name of this attempt's temporary folders", self._attempt)
-        if outcome != "ok":
+        if outcome != "ok":  # the same error on every process, rebuilt from the family by its name
             kind, text = outcome.split(":", 1)
-            raise {
-                "ModelDirLockedError": ModelDirLockedError,
-                "ModelDirNotWritableError": ModelDirNotWritableError,
-                "StoreUnavailableError": StoreUnavailableError,
-            }.get(kind, StorageError)(text)
+            found = getattr(errors, kind, None)
+            raise (found if isinstance(found, type) and issubclass(found, errors.EstimaxError) else StorageError)(text)
         try:
             self.checkpoints.open_for_writing(primary, attempt)
             if best is not None:

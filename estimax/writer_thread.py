@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 
-from estimax.errors import StoreUnavailableError, WriterError
+from estimax.errors import LeaseLostError, StoreUnavailableError, WriterError
 
 logger = logging.getLogger("estimax")
 
@@ -122,8 +122,8 @@ class InBackground:
             raise failure from (None if failure is self._error else self._error)
 
     def _failure(self) -> WriterError | StoreUnavailableError:
-        if isinstance(self._error, StoreUnavailableError):
-            return self._error  # the store's own line and exit code (74) say it all
+        if isinstance(self._error, StoreUnavailableError | LeaseLostError):
+            return self._error  # the store's or the lock's own line and exit code (74) say it all
         return WriterError(
             f"{type(self.writer).__name__} to {self.where} failed: {type(self._error).__name__}: {self._error}. "
             "Fix: free space or fix access there, or turn this writer off (RunConfig(tensorboard=False), "

@@ -49,9 +49,10 @@ class JsonlWriter:
 
     STORE_FLUSH_SECONDS = 10.0
 
-    def __init__(self, path: str, continuing_from: int | None = None):
+    def __init__(self, path: str, continuing_from: int | None = None, fence=lambda: None):
         self.path = path
         self.continuing_from = continuing_from
+        self.fence = fence  # raises once this process may no longer write here (before every write to a store)
         self._on_store = storage.is_url(path)
         self._lines: list[str] | None = None  # on a store: what the object held, then this run's records
         self._file = None  # on disk: open for appending from the first record to ``close``
@@ -67,6 +68,7 @@ class JsonlWriter:
         if self.continuing_from is not None:
             kept = records_up_to(text, self.continuing_from)
             if kept != text:
+                self.fence()
                 storage.write_bytes(self.path, kept.encode())
                 text = kept
         return text
@@ -90,6 +92,7 @@ class JsonlWriter:
 
     def flush(self) -> None:
         if self._unflushed:
+            self.fence()
             storage.write_bytes(self.path, "".join(self._lines or []).encode())
             self._unflushed, self._flushed = False, time.monotonic()
 
@@ -142,8 +145,9 @@ class TensorBoardWriter:
     FLUSH_SECONDS = 2.0
     STORE_FLUSH_SECONDS = 10.0
 
-    def __init__(self, logdir: str, continuing_from: int | None = None):
+    def __init__(self, logdir: str, continuing_from: int | None = None, fence=lambda: None):
         self.logdir = logdir
+        self.fence = fence  # raises once this process may no longer write here (before every upload)
         self._on_store = storage.is_url(logdir)
         self._encoder = events.ScalarEncoder()
         # Per split, in order: encoded events, and loops' columns (``_Steps``) encoded at the flush.
@@ -191,6 +195,7 @@ class TensorBoardWriter:
                 continue
             data = b"".join(r if isinstance(r, bytes) else r.encode(self._encoder) for r in records)
             if self._on_store:
+                self.fence()
                 storage.write_bytes(storage.join(self.logdir, split, events.file_name()), events.file_version() + data)
             else:
                 if split not in self._files:
