@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from estimax import events, storage
+from estimax.errors import LeaseLostError
 
 logger = logging.getLogger("estimax")
 
@@ -55,6 +56,7 @@ class JsonlWriter:
         self.fence = fence  # raises once this process may no longer write here (before every write to a store)
         self._on_store = storage.is_url(path)
         self._lines: list[str] | None = None  # on a store: what the object held, then this run's records
+        self._object: VersionedObject | None = None  # on a store
         self._file = None  # on disk: open for appending from the first record to ``close``
         self._unflushed = False
         self._flushed = time.monotonic()
@@ -62,16 +64,27 @@ class JsonlWriter:
     def _open(self) -> str:
         """What the file holds, less the records past ``continuing_from``; on disk, with nothing to
         drop, nothing is read (records are appended)."""
-        if (self.continuing_from is None and not self._on_store) or not storage.exists(self.path):
+        if self._on_store:
+            self._object = self._object or VersionedObject(self.path)
+            text = self._object.read().decode()
+        elif self.continuing_from is None or not storage.exists(self.path):
             return ""
-        text = storage.read_bytes(self.path).decode()
+        else:
+            text = storage.read_bytes(self.path).decode()
         if self.continuing_from is not None:
             kept = records_up_to(text, self.continuing_from)
             if kept != text:
-                self.fence()
-                storage.write_bytes(self.path, kept.encode())
+                self._write_whole(kept.encode())
                 text = kept
         return text
+
+    def _write_whole(self, data: bytes) -> None:
+        """The whole file: on a store only over the version this writer read or wrote last (``VersionedObject``)."""
+        self.fence()
+        if self._on_store:
+            self._object.write(data)
+        else:
+            storage.write_bytes(self.path, data)
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         if self._lines is None:
@@ -92,8 +105,7 @@ class JsonlWriter:
 
     def flush(self) -> None:
         if self._unflushed:
-            self.fence()
-            storage.write_bytes(self.path, "".join(self._lines or []).encode())
+            self._write_whole("".join(self._lines or []).encode())
             self._unflushed, self._flushed = False, time.monotonic()
 
     def close(self) -> None:
@@ -101,6 +113,47 @@ class JsonlWriter:
         if self._file is not None:
             self._file, file = None, self._file
             file.close()
+
+
+class VersionedObject:
+    """An object on a store written whole, each time only over the version this process read or wrote last
+    (a conditional write): a process that was paused between its lock's proof and its upload, and whose
+    model_dir another process took over and wrote meanwhile, cannot overwrite what that process wrote."""
+
+    def __init__(self, path: str):
+        from estimax.conditional import open_object
+
+        self.path = path
+        self._object = open_object(path)
+        self._version: str | None = None  # None: absent when read last
+
+    def read(self) -> bytes:
+        found = storage.bounded("reading", self.path, self._object.read, storage.deadline_seconds())
+        self._version = found and found[1]
+        return found[0] if found else b""
+
+    def write(self, data: bytes) -> None:
+        from estimax.conditional import Changed
+
+        timeout = storage.deadline_seconds()
+        try:
+            if self._version is None:
+                version = storage.bounded("writing", self.path, self._object.create, data, timeout)
+                if version is None:
+                    raise Changed
+            else:
+                version = storage.bounded("writing", self.path, self._object.replace, data, self._version, timeout)
+        except Changed:
+            found = self._object.read(timeout)
+            if not found or found[0] != data:  # (a retry after a write that landed finds its own bytes)
+                raise LeaseLostError(
+                    f"{self.path} was written by another process since this one last wrote it: another process "
+                    "writes into this model_dir now, and this one stops writing. Expected one writer per "
+                    "model_dir. Fix: none if a later attempt of this run carries it on; otherwise stop the other "
+                    "process and run the same command again."
+                ) from None
+            version = found[1]
+        self._version = version
 
 
 _STEP_FIELD = re.compile(r'"step": (\d+)')  # as json.dumps writes a record's step

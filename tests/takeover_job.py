@@ -5,6 +5,7 @@ asynchronous saves; the run is named by ``ESTIMAX_RUN_ID`` where the caller sets
 With STOP_STEP the process stops itself (SIGSTOP) inside its save of that step, on
 Orbax's own thread, right after the step's temporary folder was created and before
 any array is written: a save in flight, paused where a real pause would catch it.
+With ``SLOW_SECONDS`` set, each loop takes at least that long.
 The records' flush intervals are past the run: they reach the store only when a
 checkpoint makes them durable (or at the end). At the end it prints
 "trained to step N, parameters <sha256>". An estimax error ends it as the
@@ -16,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -45,6 +47,13 @@ def stop_in_the_save_of(step: int) -> None:
         kind.create = create
 
 
+class Slow(ex.Hook):
+    """Each loop takes at least ``SLOW_SECONDS`` (the caller's): an attempt still training when others start."""
+
+    def after_loop(self, loop):
+        time.sleep(float(os.environ.get("SLOW_SECONDS", 0)))
+
+
 def digest(model) -> str:
     leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
     return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()
@@ -65,7 +74,7 @@ if __name__ == "__main__":
         checkpoint=ex.CheckpointPolicy(every_steps=2, max_overhead=None, keep=2),
     )
     try:
-        est.train(ex.data.from_arrays(*blobs(256)), max_steps=max_steps)
+        est.train(ex.data.from_arrays(*blobs(256)), max_steps=max_steps, hooks=[Slow()])
     except ex.EstimaxError as error:
         print(f"estimax: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
         sys.exit(getattr(error, "exit_code", 2))

@@ -30,8 +30,8 @@ def _model_dir(store: str, request, tmp_path, name: str) -> str:
     return f"{store}://bkt/{name}-{tmp_path.name}"
 
 
-def _start(model_dir: str, *args, run: str | None = None, host: str = "host-a") -> subprocess.Popen:
-    env = {**os.environ, "ESTIMAX_LEASE_SECONDS": "8", "AS_HOST": host}
+def _start(model_dir: str, *args, run: str | None = None, host: str = "host-a", slow: float = 0) -> subprocess.Popen:
+    env = {**os.environ, "ESTIMAX_LEASE_SECONDS": "8", "AS_HOST": host, "SLOW_SECONDS": str(slow)}
     if run is not None:
         env["ESTIMAX_RUN_ID"] = run
     return subprocess.Popen(
@@ -132,7 +132,7 @@ def test_a_holder_paused_with_a_save_in_flight_writes_nothing_once_a_later_attem
     _one_history(model_dir, STEPS)
 
 
-RACE_STEPS = 200
+RACE_STEPS = 40
 
 
 @pytest.mark.parametrize(
@@ -152,7 +152,7 @@ def test_racing_attempts_leave_one_writer_and_one_history(store, gap, first_stat
     the end or ends with one line and exit 74, having written nothing more; the history reads as one."""
     model_dir = _model_dir(store, request, tmp_path, "race")
     run = f"race-{store}-{gap}-{first_state}"
-    first = _start(model_dir, RACE_STEPS, run=run)
+    first = _start(model_dir, RACE_STEPS, run=run, slow=0.25)  # still training when the others start
     while not storage.exists(storage.join(model_dir, "metrics.jsonl")):  # it trained and saved
         assert first.poll() is None, first.communicate()
         time.sleep(0.05)
