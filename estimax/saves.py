@@ -12,10 +12,13 @@ at a loop boundary still saves the checkpoint due there (``training.py``).
 
 from __future__ import annotations
 
+import logging
 import time
 
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, LeaseLostError, StoreUnavailableError, one_line
 from estimax.lock import resume
+
+logger = logging.getLogger("estimax")
 
 
 class Saves:
@@ -70,7 +73,13 @@ class Saves:
         """Saves ``state`` at ``step`` once its records are durable; returns the seconds the host spent.
         ``loop``: the device loop mode the state was trained with (a resumed ``auto`` run keeps it)."""
         timer = time.perf_counter()
-        self._records.flush()  # a checkpoint never gets ahead of the records
+        try:
+            self._records.flush()  # a checkpoint never gets ahead of the records
+        except (LeaseLostError, StoreUnavailableError):
+            raise  # nothing more may be written
+        except Exception as error:  # a metric's compute, a writer: the state trained is saved all the same
+            logger.warning("The records up to step %d could not be written (%s); the checkpoint is saved all "
+                           "the same.", step, one_line(error))  # fmt: skip
         self._sync.barrier(f"the checkpoint of step {step}")
         self.checkpoints.save(step, state, self._plan.saved_position(input_state), loop=loop)
         self.saved_step = step
