@@ -70,6 +70,7 @@ class Checkpointer:
         self._best = best
         self._lock = lock or _NoLock()
         self._attempt = ""  # this writer's name for its temporary folders (``fenced_commit.py``)
+        self._left: tuple[int, ...] = ()  # steps an earlier holder may still be writing: never saved here
         self._manager = self._open(read_only)
         self._manager_writable = not read_only  # Orbax's manager may save and delete (``open_for_writing``)
         self._names_read: list[str] | None = None  # a local folder's names when Orbax last read its steps
@@ -111,10 +112,12 @@ class Checkpointer:
             ),
         )
 
-    def open_for_writing(self, primary: bool = True, attempt: str = "") -> None:
+    def open_for_writing(self, primary: bool = True, attempt: str = "", left=()) -> None:
         """Becomes the writer (the caller holds the model_dir's lock): leftovers of killed saves are
         cleaned up, and the damaged steps a restore found are moved aside (by ``primary`` only, the
-        one process that renames for a group). ``attempt``: the group's name for its temporary folders."""
+        one process that renames for a group). ``attempt``: the group's name for its temporary folders;
+        ``left``: the steps an earlier holder may still be writing, which this writer never saves."""
+        self._left = tuple(left)
         if self.read_only:
             if attempt != self._attempt:
                 self._attempt, self._manager_writable = attempt, False  # opened again with the new name
@@ -221,7 +224,7 @@ class Checkpointer:
             raise RuntimeError(f"Checkpointer of {self.directory} is read-only; open_for_writing() first.")
         if step in self._manager.all_steps():
             return
-        if step in self._lock.left:
+        if step in self._left:
             logger.warning(
                 "Step %d is not saved in %s: an earlier holder of the model_dir's lock may still be writing it "
                 "(it was saving it when its lease was taken over); the next checkpoint is saved as usual.",
@@ -438,8 +441,6 @@ class Checkpointer:
 
 class _NoLock:
     """The lock of a checkpointer that holds none (a reader, or a test's): nothing to prove."""
-
-    left = ()
 
     def check(self) -> None:
         pass

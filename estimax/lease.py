@@ -167,7 +167,7 @@ class LeaseLock:
                 f"lease expires ({holder['lease_seconds']:g} s without renewal), or delete it: "
                 f"{delete_command(self.path)}."
             )
-        self.left = left_steps(holder)
+        self.left = left_steps(holder, still_writing=not gone)
         self._record["left"] = list(self.left)  # passed on: a paused holder may write them whenever it runs
         started = time.monotonic()
         self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
@@ -446,10 +446,13 @@ def parse(content: bytes, path: str) -> dict:
     )
 
 
-def left_steps(holder: dict, most: int = 16) -> tuple[int, ...]:
+def left_steps(holder: dict, still_writing: bool = True, most: int = 16) -> tuple[int, ...]:
     """The steps a holder whose lease is taken over may still be writing, which its successor never
-    writes: the one it was saving and those it was left itself (the newest ``most``)."""
-    steps = {s for s in [holder.get("saving"), *holder.get("left", ())] if isinstance(s, int)}
+    writes: the one it was saving (unless it is gone: ``still_writing``) and those it was left itself
+    (the newest ``most``)."""
+    steps = {
+        s for s in [holder.get("saving") if still_writing else None, *holder.get("left", ())] if isinstance(s, int)
+    }
     return tuple(sorted(steps)[-most:])
 
 

@@ -134,15 +134,17 @@ class RunDir:
             except (ModelDirLockedError, ModelDirNotWritableError, StorageError) as error:
                 outcome = f"{type(error).__name__}:{error}"
         outcome = sync.share("taking the model_dir lock", outcome)
-        attempt = sync.share("the name of this attempt's temporary folders", self._attempt)
+        # Every process saves the same steps: the steps left to an earlier holder are process 0's.
+        shared = json.loads(sync.share("this attempt's name and the steps it leaves", json.dumps(
+            {"attempt": self._attempt, "left": list(self.lock.left)})))  # fmt: skip
         if outcome != "ok":  # the same error on every process, rebuilt from the family by its name
             kind, text = outcome.split(":", 1)
             found = getattr(errors, kind, None)
             raise (found if isinstance(found, type) and issubclass(found, errors.EstimaxError) else StorageError)(text)
         try:
-            self.checkpoints.open_for_writing(primary, attempt)
+            self.checkpoints.open_for_writing(primary, shared["attempt"], shared["left"])
             if best is not None:
-                best.open_for_writing(primary, attempt)
+                best.open_for_writing(primary, shared["attempt"])
             yield
         finally:
             try:

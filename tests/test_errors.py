@@ -125,6 +125,18 @@ def _a_directory_where_the_lock_goes(tmp_path, request):
     estimator(str(tmp_path / "run")).train(DATA, max_steps=4)
 
 
+def _a_later_attempt_holds_the_model_dir(tmp_path, request):
+    import json
+    import socket
+    import time
+
+    request.getfixturevalue("monkeypatch").setenv("ESTIMAX_RUN_ID", "job-7")
+    os.makedirs(tmp_path / "run")
+    later = {"host": socket.gethostname(), "pid": 1, "run": "job-7", "attempt_started": time.time() + 3600}
+    (tmp_path / "run" / "estimax.lock").write_text(json.dumps(later))
+    estimator(str(tmp_path / "run")).train(DATA, max_steps=4)
+
+
 def _best_with_mode(tmp_path, request):
     ex.Best("accuracy", mode="max")
 
@@ -223,6 +235,9 @@ MISTAKES = {
     "a model_dir that is a file, or below one": _a_model_dir_below_a_file,
     '`model_dir="$UNSET/run"`': _an_unset_variable_in_the_model_dir,
     "a directory named `estimax.lock` in the model_dir": _a_directory_where_the_lock_goes,
+    "training while a later attempt of the same run (`ESTIMAX_RUN_ID`) holds the model_dir": (
+        _a_later_attempt_holds_the_model_dir
+    ),
     '`ex.Best("accuracy", mode="max")`': _best_with_mode,
     '`export("s3://absent-bucket/model")`': _an_export_to_an_absent_bucket,
     "`array_record.write` (or `tfrecord.write`) of a text feature": _a_text_feature_written,
