@@ -10,7 +10,10 @@ when a call starts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import numbers
+import operator
 import os
 import re
 import sys
@@ -33,9 +36,42 @@ _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
 _UNSET = object()
 
 
-def _check_positive(owner: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{owner}({name}={value!r}) must be a positive integer.")
+def _integer(owner: str, name: str, value) -> int:
+    """``value`` as a plain ``int`` (numpy's integers too); a ``ConfigTypeError`` for another type."""
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            return operator.index(value)
+    raise ConfigTypeError(
+        f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected an integer. Fix: pass {name}=<int>."
+    )
+
+
+def _check_positive(owner: str, name: str, value) -> int:
+    """``value`` as a plain ``int``: a ``ConfigTypeError`` for another type, a ``ConfigError`` below 1."""
+    value = _integer(owner, name, value)
+    if value < 1:
+        raise ConfigError(f"{owner}({name}={value!r}) must be a positive integer; expected 1 or more.")
+    return value
+
+
+def _check_number(owner: str, name: str, value, minimum: float = 0.0) -> float:
+    """``value`` as a ``float`` above ``minimum`` (numpy's numbers too)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigTypeError(f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected a number.")
+    if not value > minimum or value != value:  # NaN compares false
+        raise ConfigError(f"{owner}({name}={value!r}) must be a number above {minimum:g}.")
+    return float(value)
+
+
+def _check_flag(owner: str, name: str, value) -> bool:
+    """``value`` as a ``bool`` (numpy's too); ``"yes"`` or ``1`` are not read as one."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        raise ConfigTypeError(f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected True or False.")
+    return bool(value)
+
+
+def _set(config, name: str, value) -> None:
+    object.__setattr__(config, name, value)  # the checked form of a frozen dataclass's field
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,15 +110,16 @@ class CheckpointPolicy:
     at_end: bool = True
 
     def __post_init__(self):
-        _check_positive("CheckpointPolicy", "keep", self.keep)
+        _set(self, "keep", _check_positive("CheckpointPolicy", "keep", self.keep))
         if self.every_steps is not None:
-            _check_positive("CheckpointPolicy", "every_steps", self.every_steps)
+            _set(self, "every_steps", _check_positive("CheckpointPolicy", "every_steps", self.every_steps))
         for name in ("every_seconds", "keep_every_hours"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, int | float) and value > 0):
-                raise ConfigError(f"CheckpointPolicy({name}={value!r}) must be a positive number of seconds/hours.")
+            if getattr(self, name) is not None:
+                _set(self, name, _check_number("CheckpointPolicy", name, getattr(self, name)))
+        for name in ("async_save", "at_end"):
+            _set(self, name, _check_flag("CheckpointPolicy", name, getattr(self, name)))
         if self.max_overhead is not None and not (
-            isinstance(self.max_overhead, int | float) and 0 < self.max_overhead < 1
+            _check_number("CheckpointPolicy", "max_overhead", self.max_overhead) < 1
         ):
             raise ConfigError(
                 f"CheckpointPolicy(max_overhead={self.max_overhead!r}) is not a fraction of the training time; "
@@ -248,6 +285,7 @@ class RunConfig:
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
     def __post_init__(self, save_every_steps, keep_checkpoints):
+        self._check_types()
         shorthands = {"every_steps": save_every_steps, "keep": keep_checkpoints}
         shorthands = {k: v for k, v in shorthands.items() if v is not _UNSET}
         for field, value in shorthands.items():
@@ -264,7 +302,7 @@ class RunConfig:
         if shorthands:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
-            _check_positive("RunConfig", name, getattr(self, name))
+            _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
         if self.train_batch_size % self.grad_accum_steps:  # over the devices too: Plan.check, when training starts
             raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
@@ -272,13 +310,12 @@ class RunConfig:
                 f"{self.grad_accum_steps}. Fix: use train_batch_size "
                 f"{counting.nearest_multiples(self.train_batch_size, self.grad_accum_steps)}."
             )
-        if not (isinstance(self.sync_timeout_seconds, int | float) and self.sync_timeout_seconds > 0):
-            raise ConfigError(
-                f"RunConfig(sync_timeout_seconds={self.sync_timeout_seconds!r}) must be a positive number of seconds."
-            )
+        _set(
+            self, "sync_timeout_seconds", _check_number("RunConfig", "sync_timeout_seconds", self.sync_timeout_seconds)
+        )
         for name in ("eval_batch_size", "predict_batch_size", "num_devices", "tokens_per_example"):
             if getattr(self, name) is not None:
-                _check_positive("RunConfig", name, getattr(self, name))
+                _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
         if self.profile_steps is not None:
             start, stop = self.profile_steps
             if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
@@ -291,12 +328,42 @@ class RunConfig:
         check_compute_dtype(self.compute_dtype)
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
-        if isinstance(self.fsdp_min_bytes, bool) or not isinstance(self.fsdp_min_bytes, int) or self.fsdp_min_bytes < 0:
+        _set(self, "fsdp_min_bytes", _integer("RunConfig", "fsdp_min_bytes", self.fsdp_min_bytes))
+        if self.fsdp_min_bytes < 0:
             raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
+
+    def _check_types(self) -> None:
+        """The kinds of the settings checked on their own (each setting's range is checked where it is used)."""
+        for name in ("model_dir", "compilation_cache"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | os.PathLike):
+                raise ConfigTypeError(
+                    f"RunConfig({name}={value!r}) is of type {type(value).__name__}; expected a path (str or "
+                    "os.PathLike) or None."
+                )
+        if not isinstance(self.checkpoint, CheckpointPolicy):
+            raise ConfigTypeError(
+                f"RunConfig(checkpoint={self.checkpoint!r}) is of type {type(self.checkpoint).__name__}; expected a "
+                "CheckpointPolicy. Fix: checkpoint=ex.CheckpointPolicy(every_steps=...), or save_every_steps=..."
+            )
+        for name in ("tensorboard", "quiet", "skip_nonfinite"):
+            _set(self, name, _check_flag("RunConfig", name, getattr(self, name)))
+        for name in ("loop", "compute_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                kind = type(value).__name__
+                raise ConfigTypeError(f"RunConfig({name}={value!r}) is of type {kind}; expected a string.")
+        seed = _integer("RunConfig", "seed", self.seed)
+        if not 0 <= seed < 2**63:
+            raise ConfigError(
+                f"RunConfig(seed={seed}) is out of range; expected an integer from 0 to 2**63 - 1 (it seeds JAX's "
+                "keys and the input's shuffling). Fix: a seed in that range, e.g. seed=0."
+            )
+        _set(self, "seed", seed)
 
     @property
     def global_eval_batch_size(self) -> int:

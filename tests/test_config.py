@@ -23,13 +23,71 @@ def test_batch_size_must_divide_the_devices():
     "field, value, message",
     [
         ("train_batch_size", 0, "must be a positive integer"),
-        ("steps_per_loop", 2.5, "must be a positive integer"),
         ("loop", "unrolled", "expected one of"),
+        ("seed", -1, "out of range; expected an integer from 0 to 2\\*\\*63 - 1"),
+        ("seed", 2**70, "out of range"),
+        ("sync_timeout_seconds", 0, "must be a number above 0"),
     ],
 )
 def test_config_values_are_validated(field, value, message):
-    with pytest.raises(ValueError, match=rf"{field}=.*{message}"):
+    with pytest.raises(ex.ConfigError, match=rf"{field}=.*{message}") as caught:
         ex.RunConfig(**{field: value})
+    assert not isinstance(caught.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"steps_per_loop": 2.5}, "steps_per_loop=2.5\\) is of type float; expected an integer"),
+        ({"train_batch_size": "32"}, "train_batch_size='32'\\) is of type str; expected an integer"),
+        ({"seed": "abc"}, "seed='abc'\\) is of type str; expected an integer"),
+        ({"seed": 1.5}, "seed=1.5\\) is of type float"),
+        ({"checkpoint": 1000}, "checkpoint=1000\\) is of type int; expected a CheckpointPolicy"),
+        ({"checkpoint": 1000, "save_every_steps": 10}, "expected a CheckpointPolicy"),
+        ({"quiet": "yes"}, "quiet='yes'\\) is of type str; expected True or False"),
+        ({"tensorboard": 1}, "tensorboard=1\\) is of type int; expected True or False"),
+        ({"model_dir": 123}, "model_dir=123\\) is of type int; expected a path"),
+        ({"loop": 3}, "loop=3\\) is of type int; expected a string"),
+    ],
+)
+def test_a_setting_of_the_wrong_type_is_a_type_error_naming_it(settings, expected):
+    with pytest.raises(ex.ConfigTypeError, match=expected) as caught:
+        ex.RunConfig(**settings)
+    assert isinstance(caught.value, TypeError)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        ({"keep": "3"}, (ex.ConfigTypeError, "keep='3'\\) is of type str")),
+        ({"every_seconds": "60"}, (ex.ConfigTypeError, "every_seconds='60'\\) is of type str")),
+        ({"async_save": "no"}, (ex.ConfigTypeError, "async_save='no'\\) is of type str")),
+        ({"keep": 0}, (ex.ConfigError, "keep=0\\) must be a positive integer")),
+        ({"max_overhead": 2}, (ex.ConfigError, "max_overhead=2\\) is not a fraction")),
+    ],
+)
+def test_checkpoint_policy_values_are_checked_when_it_is_made(settings, expected):
+    kind, message = expected
+    with pytest.raises(kind, match=message):
+        ex.CheckpointPolicy(**settings)
+
+
+def test_numpy_integers_and_flags_are_accepted_as_plain_values(tmp_path):
+    import numpy as np
+
+    config = ex.RunConfig(
+        train_batch_size=np.int64(32), steps_per_loop=np.int32(4), seed=np.uint32(7), quiet=np.True_,
+        checkpoint=ex.CheckpointPolicy(every_steps=np.int64(4), keep=np.int16(2), every_seconds=np.float32(30)),
+    )  # fmt: skip
+    assert type(config.train_batch_size) is int and type(config.seed) is int and config.quiet is True
+    assert type(config.checkpoint.keep) is int and type(config.checkpoint.every_seconds) is float
+    reference = estimator(str(tmp_path / "plain"), train_batch_size=32, steps_per_loop=4, seed=7)
+    numpy = estimator(
+        str(tmp_path / "numpy"), train_batch_size=np.int64(32), steps_per_loop=np.int32(4), seed=np.uint32(7)
+    )
+    for est in (reference, numpy):
+        est.train(ex.data.from_arrays(*blobs(64)), max_steps=8)
+    assert reference.evaluate(ex.data.from_arrays(*blobs(64))) == numpy.evaluate(ex.data.from_arrays(*blobs(64)))
 
 
 def test_config_imports_no_jax_and_no_writers():
