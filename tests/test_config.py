@@ -141,3 +141,18 @@ def test_best_says_which_direction_is_better():
         ex.Best("loss", "up")
     with pytest.raises(ValueError, match=r"Best\(patience=0\) must be a positive integer"):
         ex.Best(patience=0)
+
+
+def test_features_in_jax_float_dtypes_are_accepted():
+    """bfloat16 features train; float8 ones reach the model, whose own limit is the error (no input check)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    features, labels = blobs(64)
+    narrow = {"x": features["x"].astype(jnp.bfloat16)}
+    est = estimator()
+    est.train(ex.data.from_arrays(narrow, labels), max_steps=4)
+    assert est.step == 4 and np.isfinite(est.evaluate(ex.data.from_arrays(narrow, labels))["loss"])
+    eight_bits = {"x": features["x"].astype(jnp.float8_e4m3fn)}
+    with pytest.raises(ex.ModelFnError, match="model_fn cannot take the input's features.*8-bit floats"):
+        estimator().train(ex.data.from_arrays(eight_bits, labels), max_steps=4)

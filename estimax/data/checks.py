@@ -156,9 +156,10 @@ def describe(batch, check: bool = True) -> dict[str, tuple]:
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
             leaf = np.asarray(leaf)
             name = part + jax.tree_util.keystr(path)
-            if check and leaf.dtype.kind not in "biuf":
+            if check and not (leaf.dtype == bool or jax.numpy.issubdtype(leaf.dtype, jax.numpy.number)):
                 raise InputError(
-                    f"Input {name} has dtype {leaf.dtype}; expected numbers (bool, int, float). "
+                    f"Input {name} has dtype {leaf.dtype}; expected numbers (bool, int, float: bfloat16 and "
+                    "float8 too). "
                     "Fix: encode text or objects as numeric arrays before feeding them."
                 )
             if leaf.ndim == 0:
