@@ -33,7 +33,7 @@ from estimax import storage
 def temporary_path_class(directory: str, prove: Callable[[], None], attempt: str) -> type:
     """The Orbax ``TemporaryPath`` class of a writer of ``directory``: ``prove()`` before a step's
     commit, and on a disk the temporary folder named after ``attempt``."""
-    from orbax.checkpoint._src.path import atomicity
+    from orbax.checkpoint.path import atomicity
 
     if storage.is_url(directory):
 

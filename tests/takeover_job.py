@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from models import blobs, estimator  # noqa: E402
-from orbax.checkpoint._src.path import atomicity  # noqa: E402
+from orbax.checkpoint.path import atomicity  # noqa: E402
 
 import estimax as ex  # noqa: E402
 from estimax.writers import JsonlWriter, TensorBoardWriter  # noqa: E402

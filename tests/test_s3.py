@@ -109,8 +109,9 @@ def test_s3_model_dir_trains_keeps_n_heals_resumes_bitwise_evaluates_exports_and
 
     with fsspec.open(f"{url}/metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    # Each step once: a resumed run drops the records the run before left past its checkpoint.
-    assert [r["step"] for r in records if r["split"] == "train"] == [8, 16, 24]
+    # Each step once: a resumed run drops the records the run before left past its checkpoint. A train
+    # record is written at every log point (8) and every checkpoint (4), which closes the window before it.
+    assert [r["step"] for r in records if r["split"] == "train"] == [4, 8, 12, 16, 20, 24]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(f"{url}/tensorboard/train", size_guidance={"scalars": 0})
