@@ -34,6 +34,7 @@ import threading
 import time
 import uuid
 
+from estimax import noise
 from estimax.errors import ConfigError, StorageError, StoreUnavailableError, one_line
 
 logger = logging.getLogger("estimax")
@@ -210,6 +211,7 @@ def filesystem(path: str):
 
     use_one_client()
     client_options()
+    noise.quiet_libraries()  # gcsfs warns on every client it makes without credentials (an emulator, anonymously)
     try:
         return fsspec.core.url_to_fs(path)
     except ImportError:
