@@ -130,13 +130,12 @@ class Checkpointer:
                 self._manager = self._open(False)
             self.read_only, self._manager_writable = False, True
             for step in unfinished:
+                again = "is not saved by this run" if step in self._left else "is saved again when training reaches it"
                 logger.warning(
                     "The save of step %d in %s never finished (the process writing it stopped): removed; the "
-                    "latest finished checkpoint is used, and step %d is saved again when training reaches it.",
-                    step,
-                    self.directory,
-                    step,
-                )
+                    "latest finished checkpoint is used, and step %d %s.",
+                    step, self.directory, step, again,
+                )  # fmt: skip
         self._primary = primary
         if primary:
             self._move_damaged_aside()
