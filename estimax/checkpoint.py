@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import noise, orbax_s3, storage
+from estimax import noise, orbax_s3, pruning, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
 from estimax.fenced_commit import temporary_path_class
@@ -397,32 +397,8 @@ class Checkpointer:
         self.schedule.finished()
 
     def _prune(self) -> None:
-        """Deletes the committed steps before the ``policy.keep`` newest, but one every ``keep_every_hours``
-        (by commit time), oldest first, once this process proved it holds the lock; a step already gone
-        (another process deleted it) is skipped. Called with no save in flight, on every process alike."""
-        if self._best is not None:
-            return  # Orbax keeps the best ones
-        steps = sorted(self._manager.all_steps())
-        doomed = [s for s in steps[: -self.policy.keep] if s not in self._kept_by_time(steps)]
-        if not doomed:
-            return
-        self._lock.prove()
-        for step in doomed:
-            with contextlib.suppress(FileNotFoundError):
-                storage.bounded("deleting an old checkpoint", self.directory, self._manager.delete, step)
-
-    def _kept_by_time(self, steps: list[int]) -> set[int]:
-        """The steps ``keep_every_hours`` keeps: the first, then each committed that long after the last kept."""
-        hours = self.policy.keep_every_hours
-        if hours is None:
-            return set()
-        kept, last = set(), None
-        for step in steps:
-            committed = self._manager.metadata(step).commit_timestamp_nsecs or 0
-            if last is None or committed - last >= hours * 3600e9:
-                kept.add(step)
-                last = committed
-        return kept
+        if self._best is None:  # Orbax keeps the best ones
+            pruning.prune(self._manager, self.policy, self.directory, self._lock.prove)
 
     @contextlib.contextmanager
     def _lock_errors(self):

@@ -1,0 +1,41 @@
+"""Which committed checkpoints a writer deletes, and deleting them without ever deleting twice.
+
+Owns the choice (the committed steps before the ``keep`` newest, except one every
+``keep_every_hours`` by commit time) and the deletion: each batch once this process proved it
+holds the model_dir's lock, oldest first, a step that is already gone skipped. Does not own when
+it runs (``checkpoint.py``: with no save in flight, on every process of a group alike, since
+Orbax's deletion is a collective) nor which steps are committed (Orbax's listing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+from estimax import storage
+from estimax.config import CheckpointPolicy
+
+
+def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[], None]) -> None:
+    """Deletes, through Orbax's ``manager``, the committed steps ``policy`` no longer keeps."""
+    steps = sorted(manager.all_steps())
+    doomed = [s for s in steps[: -policy.keep] if s not in kept_by_time(manager, steps, policy.keep_every_hours)]
+    if not doomed:
+        return
+    prove()  # nothing is deleted after a takeover
+    for step in doomed:
+        with contextlib.suppress(FileNotFoundError):  # gone already (another process deleted it)
+            storage.bounded("deleting an old checkpoint", directory, manager.delete, step)
+
+
+def kept_by_time(manager, steps: list[int], hours: float | None) -> set[int]:
+    """The steps ``keep_every_hours`` keeps: the first, then each committed that long after the last kept."""
+    if hours is None:
+        return set()
+    kept, last = set(), None
+    for step in steps:
+        committed = manager.metadata(step).commit_timestamp_nsecs or 0
+        if last is None or committed - last >= hours * 3600e9:
+            kept.add(step)
+            last = committed
+    return kept
