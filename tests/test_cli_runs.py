@@ -171,3 +171,21 @@ def test_one_progress_bar_in_a_terminal_with_the_log_lines_above_it(tmp_path):
     assert len(evals) == 2 and evals[0] < bars[0] < evals[1] < done, screen  # whole lines, above the bar
     assert all(re.match(r"\d\d:\d\d:\d\d estimax |held-out|train: 100%", line) for line in lines), screen
     assert "compiling:   0%" in raw.read_text(errors="replace")  # the bar's state before the first loop ended
+
+
+def test_a_damaged_cli_json_is_one_line_naming_it_and_affects_only_its_own_run(tmp_path):
+    (tmp_path / "blobs.py").write_text(TASK)
+    record = tmp_path / "runs" / "blobs" / "cli.json"
+    _ok("train", "blobs.py", cwd=tmp_path)
+    whole = record.read_text()
+    record.write_text(whole[: len(whole) // 2])  # cut short, as by a full disk
+    line = _refused("evaluate", "blobs.py", "--model-dir", "runs/blobs", cwd=tmp_path)
+    assert f"{record} is damaged: " in line and "Fix: restore it, or delete it" in line, line
+    # Another run of the task is not held back: it trains beside the damaged one, which is named once.
+    other = _ok("train", "blobs.py", "--set", "hidden=8", cwd=tmp_path)
+    assert f"Skipping {record.parent}: {record} is damaged" in other
+    assert "Run directory" in other and "blobs-2: a new run (--set hidden=8)" in other
+    for content, said in (("", "is empty"), ("[1, 2]", "is damaged: a JSON list, not an object")):
+        record.write_text(content)
+        line = _refused("evaluate", "blobs.py", "--model-dir", "runs/blobs", cwd=tmp_path)
+        assert f"{record} {said}" in line, line

@@ -50,12 +50,40 @@ def as_json(params: dict) -> dict:
 
 
 def read(model_dir: str) -> Remembered | None:
-    """The run's ``cli.json``, or ``None`` (no run, or one trained without the command line)."""
+    """The run's ``cli.json``, or ``None`` (no run, or one trained without the command line); a
+    ``ConfigError`` naming the file and what is wrong with it when it is damaged."""
     path = storage.join(model_dir, RECORD)
     if not storage.exists(path):
         return None
-    record = json.loads(storage.read_bytes(path))
-    return Remembered(dict(record["sets"]), record["params"], record["state"])
+    content = storage.read_bytes(path)
+    try:
+        record = json.loads(content)
+        if not isinstance(record, dict):
+            raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        missing = sorted({"sets", "params", "state"} - record.keys())
+        if missing:
+            raise ValueError(f"no {', '.join(map(repr, missing))}")
+        sets, params, state = record["sets"], record["params"], record["state"]
+        if not (isinstance(sets, dict) and isinstance(params, dict) and isinstance(state, str)):
+            raise ValueError('"sets" and "params" must be objects and "state" a string')
+    except (ValueError, UnicodeDecodeError) as error:  # json's errors are ValueErrors
+        what = "empty" if not content.strip() else f"damaged: {error}"
+        raise ConfigError(
+            f"{path} is {what}; expected the JSON object `estimax train` writes there (\"sets\", \"params\", "
+            "\"state\"), which says how this run was trained. Fix: restore it, or delete it (the run's checkpoints "
+            "stay; the command line then takes the run as trained without --set values)."
+        ) from None
+    return Remembered({str(k): str(v) for k, v in sets.items()}, params, state)
+
+
+def _readable(run: str) -> Remembered | None:
+    """``read(run)``, or ``None`` with a warning when its record is damaged: another run's damaged record
+    never stops a command, which goes on to the runs whose records it can read."""
+    try:
+        return read(run)
+    except ConfigError as error:
+        logger.warning("Skipping %s: %s", run, error)
+        return _DAMAGED
 
 
 def write(model_dir: str, remembered: Remembered) -> None:
@@ -84,9 +112,16 @@ def next_run(root: str) -> str:
     return f"{root}-{number + 1}"
 
 
+_DAMAGED = Remembered({}, {}, "")  # a run whose record cannot be read: no command takes it by itself
+
+
 def latest(root: str, accepts: Callable[[Remembered | None], bool]) -> str | None:
-    """The latest run under ``root`` whose remembered values ``accepts`` takes."""
-    return next((run for run in reversed(runs(root)) if accepts(read(run))), None)
+    """The latest run under ``root`` whose remembered values ``accepts`` takes (none whose record is damaged)."""
+    for run in reversed(runs(root)):
+        record = _readable(run)
+        if record is not _DAMAGED and accepts(record):
+            return run
+    return None
 
 
 def describe(sets: dict[str, str]) -> str:
@@ -130,7 +165,7 @@ class RunChoice:
         existing = runs(self.root)
         if not existing:
             return self.root  # nothing trained: the command says so
-        listed = "; ".join(f"{run}: {describe(getattr(read(run), 'sets', {}))}" for run in existing)
+        listed = "; ".join(f"{run}: {describe(getattr(_readable(run), 'sets', {}))}" for run in existing)
         raise ConfigError(
             f"{describe(self.given)}: no run under {self.root} was trained with these values ({listed}); "
             "expected the values of a trained run. Fix: leave the --set out (the latest run), or pass "
