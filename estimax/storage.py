@@ -284,6 +284,32 @@ def write_bytes(path: str, data: bytes) -> None:
 
 # No deadline of its own (its requests have their timeouts): a second try, after an answer lost in
 # transit, could not tell this process's object from another's.
+@contextlib.contextmanager
+def writing(path: str):
+    """A binary file to write ``path`` through, whole or not at all: on disk a temporary file renamed
+    when the block ends without an error, on a store an upload finished then."""
+    if is_url(path):
+        fs, inner = filesystem(path)
+        file = fs.open(inner, "wb")
+        try:
+            yield file
+        except BaseException:
+            with contextlib.suppress(Exception):
+                file.discard()  # the upload is abandoned: the object is not written
+            raise
+        file.close()
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(temporary, "wb") as file:
+            yield file
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+
+
 def create_exclusive(path: str, data: bytes) -> bool:
     """Creates ``path`` holding ``data`` unless it exists; ``False`` if it did. Atomic on every store:
     ``O_EXCL`` on disk, ``ifGenerationMatch=0`` on GCS, ``If-None-Match: *`` on S3."""

@@ -189,3 +189,36 @@ def test_a_damaged_cli_json_is_one_line_naming_it_and_affects_only_its_own_run(t
         record.write_text(content)
         line = _refused("evaluate", "blobs.py", "--model-dir", "runs/blobs", cwd=tmp_path)
         assert f"{record} {said}" in line, line
+
+
+def test_every_predict_input_file_a_user_hands_over_gets_one_line_naming_it(tmp_path):
+    """Empty, unreadable and wrong-kind files of each format: one line (exit 2) naming the file and what is
+    wrong; a CSV of a feature with two numbers per example says the CSV rule. A good file streams its
+    predictions to --output."""
+    (tmp_path / "blobs.py").write_text(TASK)
+    _ok("train", "blobs.py", cwd=tmp_path)
+    np.savez(tmp_path / "empty.npz")
+    np.save(tmp_path / "none.npy", np.zeros((0, 2), np.float32))
+    np.savez(tmp_path / "text.npz", x=np.array([["a", "b"]]))
+    (tmp_path / "blank.npy").write_bytes(b"")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"x": [0.0, 3.0]}\n{"x": [1.0,\n')
+    (tmp_path / "vector.csv").write_text("x\n0.5\n")
+    cases = {
+        "empty.npz": "holds the arrays []; expected the task's features ['x']",
+        "none.npy": "holds no examples",
+        "text.npz": "x has dtype <U1; expected numbers",
+        "blank.npy": "not a readable .npy file",
+        "empty.jsonl": "not a readable json file",
+        "broken.jsonl": "not a readable json file",
+        "vector.csv": "a CSV column holds one number per example, and the task's features hold more (x (2,) per",
+    }
+    for name, said in cases.items():
+        line = _refused("predict", "blobs.py", "--input", name, "--quiet", cwd=tmp_path)
+        assert line.startswith(f"estimax: error: --input {name}: ") and said in line, (name, line)
+    x = np.random.default_rng(0).standard_normal((1000, 2)).astype(np.float32)
+    np.save(tmp_path / "many.npy", x)
+    said = _ok("predict", "blobs.py", "--input", "many.npy", "--output", "many.jsonl", "--quiet", cwd=tmp_path)
+    assert "1000 predictions; written to many.jsonl" in said and "Generating" not in said
+    lines = (tmp_path / "many.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == list(range(1000))

@@ -165,18 +165,23 @@ def predict(args, task, estimator, first: bool) -> int:
     predict_input = task.input("predict")
     if args.input:
         predict_input = predict_file.read(args.input, _first_features(predict_input))
-    # Every process takes part; process 0 receives every example, in input order.
-    records = [task.prediction_record(row) for row in estimator.predict(predict_input, gather=True)]
+    # Every process takes part; process 0 receives every example, in input order, and writes it as it comes.
+    labels = getattr(predict_input, "labels", None)
+    count, matches = 0, None  # matches: of the predicted classes with the labels, where both exist
+    writing = storage.writing(storage.expand(args.output)) if first and args.output else contextlib.nullcontext()
+    with writing as out:
+        for row in estimator.predict(predict_input, gather=True):
+            record = task.prediction_record(row)
+            if out is not None:
+                out.write((json.dumps({"index": count, **_as_dict(record)}) + "\n").encode())
+            if labels is not None and count < len(labels) and isinstance(record, dict) and "class" in record:
+                matches = (matches or 0) + int(record["class"] == labels[count])
+            count += 1
     if not first:
         return 0
-    summary = f"{len(records)} predictions"
-    labels = getattr(predict_input, "labels", None)
-    if records and isinstance(records[0], dict) and "class" in records[0] and labels is not None:
-        if len(labels) == len(records):
-            summary += f", {sum(r['class'] == y for r, y in zip(records, labels, strict=True))} match the labels"
-    if args.output:
-        lines = "".join(json.dumps({"index": i, **_as_dict(r)}) + "\n" for i, r in enumerate(records))
-        storage.write_bytes(storage.expand(args.output), lines.encode())
+    summary = f"{count} predictions"
+    if matches is not None and len(labels) == count:
+        summary += f", {matches} match the labels"
     print(summary + (f"; written to {args.output}" if args.output else ""))
     return 0
 
