@@ -606,6 +606,19 @@ def test_labels_outside_the_classes_are_named_in_training():
             _train(loss_only, labels, last_step_apart)
 
 
+def test_a_loss_that_overflows_is_not_blamed_on_labels_in_range():
+    labels = np.arange(128, dtype=np.int32) % 3
+
+    def overflowing(model, features, labels, mode, params):
+        logits = model(features["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return ex.Spec(loss=loss * jnp.exp(jnp.float32(100.0)))  # inf on every example: float32 overflows
+
+    with pytest.raises(ex.NonFiniteError, match="The loss is infinite: an overflow") as caught:
+        _train(overflowing, labels)
+    assert "whose labels are" not in str(caught.value)
+
+
 def test_metric_names_that_collide_are_refused_before_the_first_step(tmp_path):
     # Before: metrics={"loss": ...} replaced the loss in evaluate(), and "prf/accuracy" the matrix's own field.
     def model_fn(model, features, labels, mode, params):

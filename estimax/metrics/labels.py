@@ -184,6 +184,11 @@ def nonfinite_note(outputs: dict, i: int) -> str:
     row = outputs.get(LOSS_LABELS)
     if row is None or not row[i][0]:
         return ""
+    if np.isinf(outputs["loss"][i]):  # out-of-range labels make those losses NaN; an overflow, inf
+        return (
+            "The loss is infinite: an overflow (logits or activations too large), not a label outside the "
+            "model's classes, which makes optax's *_with_integer_labels losses NaN. "
+        )
     count, first = int(row[i][0]), [int(v) for v in row[i][1 : 1 + min(int(row[i][0]), FIRST_LABELS)]]
     return (
         f"The loss is not finite on {count} examples, whose labels are {', '.join(map(str, first))}"
