@@ -23,6 +23,8 @@ from estimax import resize, validation
 from estimax.call_writers import CallWriters
 from estimax.config import Best
 from estimax.data import feed
+from estimax.data.plan import describe_input
+from estimax.data.source import Source
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import TrainRunner
 from estimax.profiling import Profiler
@@ -95,6 +97,15 @@ class Trainer:
         resized = resize.resumed(self.plan, input, restored, self.shape, start, self.run_dir.records)
         # Before any writer opens: an input that cannot continue from here is refused with nothing written.
         chunks = self.plan.train_chunks(input, start, target, self.current.input_state)
+        if restored is not None and start > 0 and not isinstance(input, Source):
+            logger.warning(
+                "Resuming at step %d from a checkpoint with %s as the training input: estimax cannot know where "
+                "an iterable stood at that step, so training goes on with the batches it gives now (a new "
+                "generator starts again at its first batch). For an exact continuation, train from a "
+                "random-access input (ex.data.from_arrays, ex.data.from_grain(MapDataset), the file readers) or a "
+                "Grain IterDataset, whose position a checkpoint keeps.",
+                start, describe_input(input),
+            )  # fmt: skip
         self._log_start(start, target)
         runner = self._runner(start)
         writers = self.writers.writers(continuing_from=start)

@@ -132,3 +132,24 @@ def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_pat
     assert process.returncode == 75, "".join(seen) + out
     assert "evaluation input exhausted" not in out, "the evaluation was not interrupted"
     assert max(_checkpoints(model_dir)[0]) == 5 and "training stopped at step 5" in out
+
+
+def test_a_plain_generator_resumed_from_a_checkpoint_is_said_to_start_again(model_dir, estimax_log):
+    """estimax cannot position a plain iterable: a resumed run says so in one line instead of silently
+    replaying the generator's first batches; within one process a generator goes on where it was."""
+    from models import blobs, estimator
+
+    features, labels = blobs(256)
+
+    def batches():
+        for i in range(0, 256, 32):
+            yield {"x": features["x"][i : i + 32]}, labels[i : i + 32]
+
+    first = estimator(model_dir, steps_per_loop=2)
+    generator = batches()
+    first.train(generator, max_steps=2)
+    first.train(generator, max_steps=4)  # the same process: the generator goes on, nothing to say
+    assert not [r for r in estimax_log.records if "cannot know where an iterable stood" in r.getMessage()]
+    estimator(model_dir, steps_per_loop=2).train(batches(), max_steps=6)
+    said = [r.getMessage() for r in estimax_log.records if "cannot know where an iterable stood" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("Resuming at step 4 from a checkpoint with a "), said
