@@ -388,11 +388,12 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardRestore())
         return self._manager.restore(step, args=args).state
 
-    def wait(self) -> None:
-        """Waits for the save in flight, then deletes the steps past the policy's ``keep``."""
+    def wait(self, prune: bool = False) -> None:
+        """Waits for the save in flight; with ``prune`` (every process of a group at once: Orbax's deletion
+        is a collective), then deletes the steps past the policy's ``keep``."""
         with self._disk_errors(), self._lock_errors():
             self._manager.wait_until_finished()
-            if not self.read_only:
+            if prune and not self.read_only:
                 self._prune()
         self.schedule.finished()
 

@@ -208,7 +208,7 @@ class NoCheckpoints:
     def refresh(self) -> None:
         pass
 
-    def wait(self) -> None:
+    def wait(self, prune: bool = False) -> None:
         pass
 
 

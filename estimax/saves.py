@@ -104,5 +104,10 @@ class Saves:
         return self.checkpoints.latest_step()
 
     def wait(self) -> None:
-        """Waits for the saves in flight: checkpoints already written stay valid."""
+        """Waits for the saves in flight: checkpoints already written stay valid (also on an error)."""
         self.checkpoints.wait()
+
+    def finish(self) -> None:
+        """The end of a call that trained to its end: the saves in flight committed, then the old
+        checkpoints past ``keep`` deleted (on every process at once)."""
+        self.checkpoints.wait(prune=True)

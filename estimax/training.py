@@ -216,7 +216,7 @@ class TrainingLoop:
             self._save(state, last)
         self.profiler.stop(state)
         timer = time.perf_counter()
-        self.saves.wait()
+        self.saves.finish()
         self.seconds["checkpoint"] += time.perf_counter() - timer
         if last is not None and self.saves.enabled and self.saves.saved_step != last.step_after:  # at_end=False
             latest = self.saves.latest_step()
