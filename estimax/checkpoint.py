@@ -105,7 +105,7 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep,
                 enable_async_checkpointing=policy.async_save,
-                cleanup_tmp_directories=not read_only,
+                cleanup_tmp_directories=False,  # ``_remove_unfinished``: another attempt may be writing there
                 read_only=read_only,
                 **best_options,
                 **store_options,
@@ -129,6 +129,7 @@ class Checkpointer:
                     self._manager.close()
                 self._manager = self._open(False)
             self.read_only, self._manager_writable = False, True
+            self._remove_unfinished(unfinished)
             for step in unfinished:
                 again = "is not saved by this run" if step in self._left else "is saved again when training reaches it"
                 logger.warning(
@@ -139,6 +140,15 @@ class Checkpointer:
         self._primary = primary
         if primary:
             self._move_damaged_aside()
+
+    def _remove_unfinished(self, steps: list[int]) -> None:
+        """Removes the folders of unfinished saves of ``steps``; one that an earlier attempt is still
+        writing (it cannot commit it) may change meanwhile: what cannot be removed is left."""
+        for name in storage.listdir(self.directory) if steps else ():
+            match = _UNFINISHED.fullmatch(name)
+            if match and int(match[1]) in steps:
+                with contextlib.suppress(OSError):
+                    storage.remove(storage.join(self.directory, name), recursive=True)
 
     def _unfinished_steps(self) -> list[int]:
         """The steps of saves that were stopped while they were written, which Orbax does not list:
