@@ -350,7 +350,7 @@ class LeaseLock:
     def prove(self, saving: int | None = None) -> None:
         """Returns when this process holds the lease now, not only within the window of its last renewal;
         raises as ``check()`` does. Called before a write that must not land after a takeover (a
-        checkpoint's creation and commit, a deletion, an upload of the records). A holder that a later
+        checkpoint's start and commit, a deletion, an upload of the records). A holder that a later
         attempt of its run may take over at any moment reads the lease (a takeover replaced it).
         ``saving``: the step of the checkpoint about to be written, named in the lease by a renewal
         that began after this call, so that a process that takes the lease over, even once it expired,

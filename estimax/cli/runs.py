@@ -69,8 +69,8 @@ def read(model_dir: str) -> Remembered | None:
     except (ValueError, UnicodeDecodeError) as error:  # json's errors are ValueErrors
         what = "empty" if not content.strip() else f"damaged: {error}"
         raise ConfigError(
-            f"{path} is {what}; expected the JSON object `estimax train` writes there (\"sets\", \"params\", "
-            "\"state\"), which says how this run was trained. Fix: restore it, or delete it (the run's checkpoints "
+            f'{path} is {what}; expected the JSON object `estimax train` writes there ("sets", "params", '
+            '"state"), which says how this run was trained. Fix: restore it, or delete it (the run\'s checkpoints '
             "stay; the command line then takes the run as trained without --set values)."
         ) from None
     return Remembered({str(k): str(v) for k, v in sets.items()}, params, state)
