@@ -31,6 +31,7 @@ from estimax.profiling import Profiler
 from estimax.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
+from estimax.summaries import Summaries
 from estimax.training import Evaluation, TrainingLoop
 
 logger = logging.getLogger("estimax")
@@ -120,7 +121,8 @@ class Trainer:
             runner, saves, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
             skip_nonfinite=self.config.skip_nonfinite, profiler=profiler, sync=self.sync,
         )  # fmt: skip
-        info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url)
+        summaries = Summaries([w for w in writers if getattr(w, "takes_summaries", False)])
+        info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url, summaries)
         with feed.Prefetch(chunks) as chunks:
             try:
                 loop.run(state, info, chunks, self.current.publish, evaluation)

@@ -215,6 +215,11 @@ class TensorBoardWriter:
         self._pending.setdefault(split, []).append(self._encoder.event(step, values, time.time()))
         self._flush_if_due(split)
 
+    def write_summary(self, split: str, step: int, values: bytes) -> None:
+        """Encoded ``Summary.Value`` messages (images, histograms, text: ``summaries.py``) at ``step``."""
+        self._pending.setdefault(split, []).append(events.summary_event(step, values))
+        self._flush_if_due(split)
+
     def write_steps(
         self, split: str, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str] = ()
     ) -> None:
