@@ -11,7 +11,6 @@ writes (``writers.py``, ``trackers.py``) nor what a train record holds
 from __future__ import annotations
 
 import logging
-import sys
 
 import jax
 
@@ -42,7 +41,7 @@ class CallWriters:
         """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
         and only with ``files`` (what this process may write); ``continuing_from``: training's first step."""
         config = self.config
-        found: list = [ConsoleWriter(train_lines=not config.quiet and not sys.stderr.isatty())]
+        found: list = [ConsoleWriter(train_lines=not config.quiet and not counting.interactive())]
         if jax.process_index() != 0 or not files:
             return found
         found += self.run_dir.file_writers(config.tensorboard, continuing_from)

@@ -17,7 +17,7 @@ import time
 import jax
 import numpy as np
 
-from estimax import flops
+from estimax import counting, flops
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 from estimax.errors import SpecError
@@ -153,7 +153,9 @@ class TrainRunner:
             self.flops_per_step = flops.step_flops(self.step, state, batch, measure, micro_batches=self._micro_batches)
         if self.loop == "auto":
             self.loop, reason = self._choose(state, chunk)
-            logger.info("loop=auto: using %s: %s", self.loop, reason)
+            # An internal choice: in a notebook it would open every kernel's output, so it is logged at debug there.
+            level = logging.DEBUG if counting.in_notebook() else logging.INFO
+            logger.log(level, "loop=auto: using %s: %s", self.loop, reason)
         if self.loop == "scan":  # a shorter final stack compiles once more
             (state, outputs), compiling = self._timed(self.scan, ("scan", chunk.num_steps), state, chunk.stack)
             return state, [outputs], compiling

@@ -7,8 +7,9 @@ steps/s, examples/s, the input-wait fraction and tqdm's ETA; it is closed at
 100% when training reaches its target, before the "Done" line. While it shows,
 estimax's log lines print above it (through ``tqdm.write``), never onto it.
 The evaluation bar shows batches / total when the input's size is known.
-Used only when stderr is a terminal; elsewhere (CI, files) the console
-writer's plain lines say the same.
+Used when stderr is a terminal or in a notebook (one output per call, redrawn
+in place: a widget with ``ipywidgets``, else text); elsewhere (CI, files) the
+console writer's plain lines say the same.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import math
 import sys
 
+from estimax import counting
 from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
 
 
@@ -30,8 +32,7 @@ class ProgressBar(Hook):
         self._bar = None
 
     def begin(self, run: RunInfo) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _tqdm()
         self._run, self._loss = run, None
         self._logs_above = _logs_above_bars()
         self._bar = tqdm(
@@ -92,9 +93,7 @@ class EvalProgress:
     def __init__(self, total: int | None, shown: bool):
         self._bar = None
         if shown:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
+            self._bar = _tqdm()(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
 
     def wrap(self, batches):
         for batch in batches:
@@ -106,3 +105,20 @@ class EvalProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _tqdm():
+    """tqdm's widget in a notebook where ``ipywidgets`` is installed; else its text bar, which a
+    notebook redraws in place too (``tqdm.auto`` would warn there without ``ipywidgets``)."""
+    if counting.in_notebook():
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            pass
+        else:
+            from tqdm.notebook import tqdm
+
+            return tqdm
+    from tqdm.std import tqdm
+
+    return tqdm
