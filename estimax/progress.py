@@ -18,6 +18,7 @@ import contextlib
 import logging
 import math
 import sys
+import warnings
 
 from estimax import counting
 from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
@@ -75,7 +76,9 @@ class ProgressBar(Hook):
 
 def _logs_above_bars() -> contextlib.ExitStack:
     """Sends estimax's console log lines through ``tqdm.write`` (above the bars) until closed."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    with warnings.catch_warnings():  # tqdm.contrib imports tqdm.auto, which warns in a notebook without ipywidgets
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
     redirect = contextlib.ExitStack()
     estimax_logger = logging.getLogger("estimax")
@@ -83,7 +86,7 @@ def _logs_above_bars() -> contextlib.ExitStack:
         h for h in estimax_logger.handlers if getattr(h, "stream", None) in (sys.stdout, sys.stderr)
     ]  # a logger set up otherwise is left as it is
     if consoles:
-        redirect.enter_context(logging_redirect_tqdm([estimax_logger]))
+        redirect.enter_context(logging_redirect_tqdm([estimax_logger], tqdm_class=_tqdm()))
     return redirect
 
 
@@ -92,8 +95,9 @@ class EvalProgress:
 
     def __init__(self, total: int | None, shown: bool):
         self._bar = None
-        if shown:
-            self._bar = _tqdm()(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
+        tqdm = _tqdm(nested=True) if shown else None
+        if tqdm is not None:
+            self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
 
     def wrap(self, batches):
         for batch in batches:
@@ -107,14 +111,16 @@ class EvalProgress:
             self._bar = None
 
 
-def _tqdm():
+def _tqdm(nested: bool = False):
     """tqdm's widget in a notebook where ``ipywidgets`` is installed; else its text bar, which a
-    notebook redraws in place too (``tqdm.auto`` would warn there without ``ipywidgets``)."""
+    notebook redraws in place too (``tqdm.auto`` would warn there without ``ipywidgets``). ``None``
+    for a ``nested`` bar in a notebook without widgets: text cannot move up to a second line there."""
     if counting.in_notebook():
         try:
             import ipywidgets  # noqa: F401
         except ImportError:
-            pass
+            if nested:
+                return None
         else:
             from tqdm.notebook import tqdm
 
