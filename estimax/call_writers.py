@@ -47,6 +47,15 @@ class CallWriters:
         found += self.run_dir.file_writers(config.tensorboard, continuing_from)
         return found + trackers.writers(config, self.params, self._tracker_runs, self.run_dir)
 
+    def hparams(self) -> dict:
+        """The run's hyper-parameters for TensorBoard's HPARAMS tab: the model's ``params`` and the
+        settings that change what is learned."""
+        config = self.config
+        chosen = {
+            name: getattr(config, name) for name in ("train_batch_size", "seed", "compute_dtype", "grad_accum_steps")
+        }
+        return {**{name: value for name, value in chosen.items() if value is not None}, **self.params}
+
     def metric_logger(self, train_writers: list) -> MetricLogger:
         """The hook that writes training's records to ``train_writers`` (and closes them at its end),
         with FLOP/s and MFU over the devices."""

@@ -165,7 +165,10 @@ class ScalarEncoder:
         return b"".join(parts), ends
 
 
+FILE_PREFIX = "events.out.tfevents."
+
+
 def file_name() -> str:
     """``events.out.tfevents.<microseconds>.<host>.<pid>``: TensorBoard reads the files of a run in
     name order, so names sort in the order they were started."""
-    return f"events.out.tfevents.{time.time_ns() // 1000:016d}.{socket.gethostname()}.{os.getpid()}"
+    return f"{FILE_PREFIX}{time.time_ns() // 1000:016d}.{socket.gethostname()}.{os.getpid()}"

@@ -30,7 +30,11 @@ _VALUE, _TAG, _SIMPLE_VALUE = b"\x0a", b"\x0a", b"\x15"  # Summary.value; Summar
 _IMAGE, _HISTO, _TENSOR, _METADATA = b"\x22", b"\x2a", b"\x42", b"\x4a"  # Summary.Value's image, histo, ...
 _TEXT_PLUGIN = _length_delimited(b"\x0a", _length_delimited(b"\x0a", b"text"))  # SummaryMetadata.plugin_data
 _DT_STRING = b"\x08\x07"  # TensorProto.dtype = DT_STRING
+_NULL_TENSOR = b"\x08\x01\x12\x04\x12\x02\x08\x00"  # a float TensorProto of shape (0,): the hparams plugin's
 _SCALAR_SHAPE = b"\x12\x00"  # TensorProto.tensor_shape: a scalar
+
+
+ALL_SPLITS = ""  # the split of a record beside the splits' runs, in the TensorBoard directory itself
 
 
 class Summaries:
@@ -82,9 +86,34 @@ class Summaries:
         )
         self._write_value(split, step, encoded)
 
+    def hparams(self, hparams: Mapping[str, object]) -> None:
+        """The run's hyper-parameters for TensorBoard's HPARAMS tab: written beside the runs of the splits
+        (the parent of ``train`` and ``eval``), whose curves the tab then shows against them."""
+        self._write_value(ALL_SPLITS, 0, hparams_value(hparams))
+
     def _write_value(self, split: str | None, step: int | None, values: bytes) -> None:
         for writer in self._writers:
-            writer.write_summary(split or self.split, self.step if step is None else step, values)
+            writer.write_summary(self.split if split is None else split, self.step if step is None else step, values)
+
+
+def hparams_value(hparams: Mapping[str, object]) -> bytes:
+    """TensorBoard's HPARAMS tab's record of a session: ``hparams`` (numbers, strings and booleans; anything
+    else as its ``str``) in a ``HParamsPluginData.session_start_info`` under ``_hparams_/session_start_info``."""
+    entries = b""
+    for name, value in hparams.items():
+        if isinstance(value, bool):
+            kind = b"\x20" + _varint(int(value))  # google.protobuf.Value.bool_value
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            kind = b"\x11" + struct.pack("<d", float(value))  # number_value
+        else:
+            kind = _length_delimited(b"\x1a", str(value).encode())  # string_value
+        entry = _length_delimited(b"\x0a", str(name).encode()) + _length_delimited(b"\x12", kind)
+        entries += _length_delimited(b"\x0a", entry)  # SessionStartInfo.hparams: a map entry
+    content = b"\x08\x00" + _length_delimited(b"\x1a", entries)  # version 0, session_start_info
+    plugin = _length_delimited(b"\x0a", _length_delimited(b"\x0a", b"hparams") + _length_delimited(b"\x12", content))
+    tag = _length_delimited(_TAG, b"_hparams_/session_start_info")
+    tensor = _length_delimited(_TENSOR, _NULL_TENSOR)
+    return _length_delimited(_VALUE, tag + _length_delimited(_METADATA, plugin) + tensor)
 
 
 def _value(tag: str, key: bytes, message: bytes) -> bytes:

@@ -123,6 +123,7 @@ class Trainer:
             skip_nonfinite=self.config.skip_nonfinite, profiler=profiler, sync=self.sync,
         )  # fmt: skip
         summaries = Summaries([w for w in writers if getattr(w, "takes_summaries", False)])
+        summaries.hparams(self.writers.hparams())
         info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url, summaries)
         with feed.Prefetch(chunks) as chunks:
             try:

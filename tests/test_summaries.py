@@ -161,3 +161,20 @@ def test_summaries_name_a_wrong_image_or_histogram_and_write_nothing_without_a_m
 
 def test_hooks_is_a_submodule_of_the_package():
     assert ex.hooks.Hook is ex.Hook and ex.hooks.EarlyStopping is ex.EarlyStopping
+
+
+def test_a_run_s_hyper_parameters_are_in_tensorboard_s_hparams_tab_beside_its_splits(model_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    estimator(model_dir, tensorboard=True, lr=0.05, dropout=0.25).train(ex.data.from_arrays(*blobs(128)), max_steps=4)
+    events = EventAccumulator(os.path.join(model_dir, "tensorboard"))
+    events.Reload()
+    (content,) = events.PluginTagToContent("hparams").values()
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert {name: value.WhichOneof("kind") for name, value in hparams.items()} == {
+        "train_batch_size": "number_value", "seed": "number_value", "grad_accum_steps": "number_value",
+        "dropout": "number_value", "classes": "number_value",
+    }  # fmt: skip
+    assert (hparams["train_batch_size"].number_value, hparams["dropout"].number_value) == (32, 0.25)
+    assert "loss" in _events(model_dir, "train").Tags()["scalars"]  # the splits' runs are where they were
