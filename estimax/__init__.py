@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.state import TrainState as TrainState
     from estimax.warm_start import WarmStart as WarmStart
 
-_SUBMODULES = ("data", "distributed", "errors", "metrics", "models", "serving", "trackers")
+_SUBMODULES = ("data", "distributed", "errors", "hooks", "metrics", "models", "serving", "trackers")
 _MOVED = {"task": "estimax.cli.task"}  # old paths, kept for one release with a DeprecationWarning
 _NAMES = {
     "Best": "estimax.config",

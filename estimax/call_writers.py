@@ -11,7 +11,6 @@ writes (``writers.py``, ``trackers.py``) nor what a train record holds
 from __future__ import annotations
 
 import logging
-import sys
 
 import jax
 
@@ -42,11 +41,20 @@ class CallWriters:
         """metrics.jsonl, TensorBoard, tracker and console writers; files and trackers on process 0 only,
         and only with ``files`` (what this process may write); ``continuing_from``: training's first step."""
         config = self.config
-        found: list = [ConsoleWriter(train_lines=not config.quiet and not sys.stderr.isatty())]
+        found: list = [ConsoleWriter(train_lines=not config.quiet and not counting.interactive())]
         if jax.process_index() != 0 or not files:
             return found
         found += self.run_dir.file_writers(config.tensorboard, continuing_from)
         return found + trackers.writers(config, self.params, self._tracker_runs, self.run_dir)
+
+    def hparams(self) -> dict:
+        """The run's hyper-parameters for TensorBoard's HPARAMS tab: the model's ``params`` and the
+        settings that change what is learned."""
+        config = self.config
+        chosen = {
+            name: getattr(config, name) for name in ("train_batch_size", "seed", "compute_dtype", "grad_accum_steps")
+        }
+        return {**{name: value for name, value in chosen.items() if value is not None}, **self.params}
 
     def metric_logger(self, train_writers: list) -> MetricLogger:
         """The hook that writes training's records to ``train_writers`` (and closes them at its end),

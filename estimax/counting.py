@@ -22,8 +22,21 @@ def crossed(every: int | None, step_before: int, step_after: int) -> bool:
     return bool(every) and step_after // every > step_before // every
 
 
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (Jupyter, VS Code, Colab): its stderr is not a terminal,
+    but a bar redrawn in place shows there."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def interactive() -> bool:
+    """A person watches this console: a terminal or a notebook."""
+    return sys.stderr.isatty() or in_notebook()
+
+
 def progress_bar_shows(quiet: bool) -> bool:
-    """A bar shows on a terminal, on process 0, unless ``quiet``; elsewhere plain lines."""
+    """A bar shows on a terminal or in a notebook, on process 0, unless ``quiet``; elsewhere plain lines."""
     import jax
 
-    return not quiet and jax.process_index() == 0 and sys.stderr.isatty()
+    return not quiet and jax.process_index() == 0 and interactive()

@@ -41,6 +41,7 @@ __all__ = [
     "SyncTimeoutError",
     "WriterError",
     "EvaluationError",
+    "ModelUnavailableError",
     "NonFiniteError",
     "ModelDirLockedError",
     "LeaseLostError",
@@ -155,6 +156,10 @@ class WriterError(EstimaxError, OSError):
 
 class EvaluationError(EstimaxError, ValueError):
     """The evaluation input, a metric's ``compute`` or a ``host_metrics`` function raised."""
+
+
+class ModelUnavailableError(EstimaxError, RuntimeError):
+    """A hook asked a record for its model after training had moved that step's state on."""
 
 
 class NonFiniteError(EstimaxError, FloatingPointError):

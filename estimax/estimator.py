@@ -9,7 +9,6 @@ state), ``serving/export.py``. The parts are built once, in
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
@@ -24,7 +23,7 @@ from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
-from estimax.loop import Compiled
+from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
 from estimax.serving import export as export_lib
 from estimax.step import Core
@@ -125,10 +124,7 @@ class Estimator:
             checkpoint: a step of model_dir or a checkpoint path; default: the current state.
         """
         state = self._at(checkpoint, "model")
-        # Gathered copies: whole arrays on every device, which the next train() cannot donate away.
-        params, model_state = _gathered_copy(state.params, state.model_state, self.layout.replicated)
-        with jax.set_mesh(self.mesh):
-            return self._parts.core.adapter.live(params, model_state)
+        return live_model(self._parts.core, self.layout, state)
 
     # -- train ---------------------------------------------------------------
     @calls.one_thread_at_a_time
@@ -307,8 +303,3 @@ class Estimator:
 
             return export_tf.export(self._parts.core, state, path, features)
         return export_lib.export(self._parts.core, state, path, features)
-
-
-@functools.partial(jax.jit, static_argnums=2)
-def _gathered_copy(params, model_state, replicated):
-    return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, (params, model_state)), replicated)

@@ -56,6 +56,13 @@ def session_start(step: int, wall_time: float | None = None) -> bytes:
     return frame(_WALL_TIME + struct.pack("<d", wall_time) + _STEP + _varint(step) + start)
 
 
+def summary_event(step: int, values: bytes, wall_time: float | None = None) -> bytes:
+    """One framed event at ``step`` of encoded ``Summary.Value`` messages (``summaries.py``)."""
+    wall_time = time.time() if wall_time is None else wall_time
+    head = _WALL_TIME + struct.pack("<d", wall_time) + _STEP + _varint(step)
+    return frame(head + _length_delimited(_SUMMARY, values))
+
+
 class ScalarEncoder:
     """Encodes scalar events; the encoded prefix of each tag is kept, as a run logs the same few names."""
 
@@ -158,7 +165,10 @@ class ScalarEncoder:
         return b"".join(parts), ends
 
 
+FILE_PREFIX = "events.out.tfevents."
+
+
 def file_name() -> str:
     """``events.out.tfevents.<microseconds>.<host>.<pid>``: TensorBoard reads the files of a run in
     name order, so names sort in the order they were started."""
-    return f"events.out.tfevents.{time.time_ns() // 1000:016d}.{socket.gethostname()}.{os.getpid()}"
+    return f"{FILE_PREFIX}{time.time_ns() // 1000:016d}.{socket.gethostname()}.{os.getpid()}"

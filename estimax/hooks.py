@@ -22,12 +22,14 @@ import dataclasses
 import logging
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 from estimax import counting
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, ModelUnavailableError
+from estimax.summaries import Summaries
 
 logger = logging.getLogger("estimax")
 
@@ -41,6 +43,20 @@ class RunInfo:
     global_batch_size: int
     steps_per_epoch: int | None
     model_dir: str | None
+    summaries: Summaries = dataclasses.field(default_factory=Summaries, repr=False, compare=False)
+
+
+def no_model(step: int) -> Callable[[], Any]:
+    """A record's ``model`` when the state of its step is no longer on the devices."""
+
+    def model():
+        raise ModelUnavailableError(
+            f"The model of step {step} is no longer on the devices: training gave its state to the next loop. "
+            "Expected model() within after_loop of a hook that may stop (the device then waits for the host), "
+            "or within after_eval. Fix: leave the hook's may_stop at True, or read the model in after_eval."
+        )
+
+    return model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +69,11 @@ class LoopRecord:
     loop finished (``None`` for the first loop, which includes compilation),
     ``input_wait_seconds`` how much of it the host waited for input,
     ``flops_per_step`` the model FLOPs of one step of the global batch.
+
+    ``model()``: the model at ``step_after`` in its framework's form (as ``Estimator.model``: gathered
+    copies, whole on every device also for a sharded state), while the hook runs; it raises
+    ``ModelUnavailableError`` for a hook with ``may_stop = False``, which reads a loop after the next
+    one took over its state. ``summaries``: images, histograms, text at ``step_after`` (``Summaries``).
     """
 
     step_before: int
@@ -62,6 +83,12 @@ class LoopRecord:
     input_wait_seconds: float
     final: bool = False
     flops_per_step: float | None = None  # the compiler's count of one step (``flops.py``), if known
+    model: Callable[[], Any] = dataclasses.field(default=None, repr=False, compare=False)
+    summaries: Summaries = dataclasses.field(default_factory=Summaries, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.model is None:
+            object.__setattr__(self, "model", no_model(self.step_after))
 
     @property
     def num_steps(self) -> int:
@@ -74,10 +101,22 @@ class LoopRecord:
 
 @dataclasses.dataclass(frozen=True)
 class EvalRecord:
+    """An evaluation of the state at ``step`` on ``split``.
+
+    ``model()``: that state's model in its framework's form (as ``LoopRecord.model``);
+    ``summaries``: images, histograms, text at ``step`` (``Summaries``), by default into ``split``'s run.
+    """
+
     step: int
     split: str
     metrics: Mapping[str, float]
     seconds: float
+    model: Callable[[], Any] = dataclasses.field(default=None, repr=False, compare=False)
+    summaries: Summaries = dataclasses.field(default_factory=Summaries, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.model is None:
+            object.__setattr__(self, "model", no_model(self.step))
 
 
 @dataclasses.dataclass(frozen=True)

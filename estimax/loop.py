@@ -10,13 +10,14 @@ compiled. Does not own input, checkpoints or reporting.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
 import jax
 import numpy as np
 
-from estimax import flops
+from estimax import counting, flops
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 from estimax.errors import SpecError
@@ -70,6 +71,20 @@ def _count(jitted) -> int:
     return versions() if callable(versions) else -1
 
 
+def live_model(core, layout, state):
+    """``state``'s model in its framework's form (an NNX or bound Linen module, the Keras model, a
+    bound function), in eval behaviour: on gathered copies (whole arrays on every device), which the
+    next dispatch cannot donate away, so it stays valid whatever training does next."""
+    params, model_state = _gathered_copy((state.params, state.model_state), layout.replicated)
+    with jax.set_mesh(layout.mesh):
+        return core.adapter.live(params, model_state)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _gathered_copy(tree, replicated):
+    return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, tree), replicated)
+
+
 class TrainRunner:
     """Runs chunks of training steps on the mesh, as a scan or step by step.
 
@@ -81,6 +96,7 @@ class TrainRunner:
 
     def __init__(self, core, layout, loop: str, steps_per_loop: int):
         rep, state, stack, batch = layout.replicated, layout.state, layout.stack, layout.batch
+        self._core, self._layout = core, layout
         self._batch_sharding = batch
         self.scan = jax.jit(core.train_loop, in_shardings=(state, stack), out_shardings=(state, rep), donate_argnums=0)
         # ``measure`` (a device bool): like the scan, a loop reads every gradient on its last step only.
@@ -103,6 +119,10 @@ class TrainRunner:
         self.flops_per_step: float | None = None  # the compiler's count, once the first chunk is seen
         self._counted = False
         self._compiled: set = set()  # the programs and shapes already compiled: (scan, steps) or step
+
+    def model(self, state):
+        """``live_model`` of a state this runner trains."""
+        return live_model(self._core, self._layout, state)
 
     def _timed(self, program, key, *args):
         """``(program(*args), seconds)``: the call's time when it compiled (the first call of ``key``,
@@ -133,7 +153,9 @@ class TrainRunner:
             self.flops_per_step = flops.step_flops(self.step, state, batch, measure, micro_batches=self._micro_batches)
         if self.loop == "auto":
             self.loop, reason = self._choose(state, chunk)
-            logger.info("loop=auto: using %s: %s", self.loop, reason)
+            # An internal choice: in a notebook it would open every kernel's output, so it is logged at debug there.
+            level = logging.DEBUG if counting.in_notebook() else logging.INFO
+            logger.log(level, "loop=auto: using %s: %s", self.loop, reason)
         if self.loop == "scan":  # a shorter final stack compiles once more
             (state, outputs), compiling = self._timed(self.scan, ("scan", chunk.num_steps), state, chunk.stack)
             return state, [outputs], compiling

@@ -29,7 +29,8 @@ class MetricLogger(Hook):
     and merges per-step metric states over the steps since the last line, adds
     throughput and the input-wait fraction, and writes a ``train`` record when a
     multiple of ``log_every_steps`` is crossed (and at the end); writes every
-    evaluation under its split and the summary under ``summary``.
+    evaluation under its split and the summary under ``summary`` (``metrics.jsonl``, trackers; not
+    TensorBoard).
 
     Writers with ``every_step = True`` (TensorBoard) get every step's scalar
     outputs at that step instead of their window means, and at each log point
@@ -124,7 +125,8 @@ class MetricLogger(Hook):
 
     def end(self, summary: Summary) -> None:
         values = {f"{name}_seconds": seconds for name, seconds in summary.seconds.items()}
-        self._write(self.writers + self.step_writers, "summary", summary.step, {**values, **summary.metrics})
+        # Not in TensorBoard: a run of its own there would repeat the last evaluation as a curve of one point.
+        self._write(self.writers, "summary", summary.step, {**values, **summary.metrics})
         self.close()
 
     def flush(self) -> None:

@@ -7,8 +7,9 @@ steps/s, examples/s, the input-wait fraction and tqdm's ETA; it is closed at
 100% when training reaches its target, before the "Done" line. While it shows,
 estimax's log lines print above it (through ``tqdm.write``), never onto it.
 The evaluation bar shows batches / total when the input's size is known.
-Used only when stderr is a terminal; elsewhere (CI, files) the console
-writer's plain lines say the same.
+Used when stderr is a terminal or in a notebook (one output per call, redrawn
+in place: a widget with ``ipywidgets``, else text); elsewhere (CI, files) the
+console writer's plain lines say the same.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import contextlib
 import logging
 import math
 import sys
+import warnings
 
+from estimax import counting
 from estimax.hooks import Hook, LoopRecord, RunInfo, Summary
 
 
@@ -30,8 +33,7 @@ class ProgressBar(Hook):
         self._bar = None
 
     def begin(self, run: RunInfo) -> None:
-        from tqdm.auto import tqdm
-
+        tqdm = _tqdm()
         self._run, self._loss = run, None
         self._logs_above = _logs_above_bars()
         self._bar = tqdm(
@@ -74,7 +76,9 @@ class ProgressBar(Hook):
 
 def _logs_above_bars() -> contextlib.ExitStack:
     """Sends estimax's console log lines through ``tqdm.write`` (above the bars) until closed."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
+    with warnings.catch_warnings():  # tqdm.contrib imports tqdm.auto, which warns in a notebook without ipywidgets
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
     redirect = contextlib.ExitStack()
     estimax_logger = logging.getLogger("estimax")
@@ -82,7 +86,7 @@ def _logs_above_bars() -> contextlib.ExitStack:
         h for h in estimax_logger.handlers if getattr(h, "stream", None) in (sys.stdout, sys.stderr)
     ]  # a logger set up otherwise is left as it is
     if consoles:
-        redirect.enter_context(logging_redirect_tqdm([estimax_logger]))
+        redirect.enter_context(logging_redirect_tqdm([estimax_logger], tqdm_class=_tqdm()))
     return redirect
 
 
@@ -91,9 +95,8 @@ class EvalProgress:
 
     def __init__(self, total: int | None, shown: bool):
         self._bar = None
-        if shown:
-            from tqdm.auto import tqdm
-
+        tqdm = _tqdm(nested=True) if shown else None
+        if tqdm is not None:
             self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
 
     def wrap(self, batches):
@@ -106,3 +109,22 @@ class EvalProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _tqdm(nested: bool = False):
+    """tqdm's widget in a notebook where ``ipywidgets`` is installed; else its text bar, which a
+    notebook redraws in place too (``tqdm.auto`` would warn there without ``ipywidgets``). ``None``
+    for a ``nested`` bar in a notebook without widgets: text cannot move up to a second line there."""
+    if counting.in_notebook():
+        try:
+            import ipywidgets  # noqa: F401
+        except ImportError:
+            if nested:
+                return None
+        else:
+            from tqdm.notebook import tqdm
+
+            return tqdm
+    from tqdm.std import tqdm
+
+    return tqdm

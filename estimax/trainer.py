@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from estimax import counting, resize, validation
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax import resize, validation
 from estimax.call_writers import CallWriters
 from estimax.config import Best
 from estimax.data import feed
@@ -31,6 +31,7 @@ from estimax.profiling import Profiler
 from estimax.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
+from estimax.summaries import Summaries
 from estimax.training import Evaluation, TrainingLoop
 
 logger = logging.getLogger("estimax")
@@ -66,6 +67,7 @@ class Trainer:
         """Evaluations by ``run(state, should_stop)`` during training; the best one's checkpoint kept
         in ``<model_dir>/best`` where ``best`` asks for it."""
         keep = best is not None and best.keep_checkpoint
+        _note_cadence(every_steps, self.config.steps_per_loop)
         return Evaluation(
             run=run,
             every_steps=every_steps,
@@ -120,7 +122,9 @@ class Trainer:
             runner, saves, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
             skip_nonfinite=self.config.skip_nonfinite, profiler=profiler, sync=self.sync,
         )  # fmt: skip
-        info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url)
+        summaries = Summaries([w for w in writers if getattr(w, "takes_summaries", False)])
+        summaries.hparams(self.writers.hparams())
+        info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url, summaries)
         with feed.Prefetch(chunks) as chunks:
             try:
                 loop.run(state, info, chunks, self.current.publish, evaluation)
@@ -152,3 +156,18 @@ class Trainer:
             self.config.steps_per_loop,
             layout_lib.format_bytes(self.layout.plan.totals["total"]),
         )
+
+
+def _note_cadence(every_steps: int | None, steps_per_loop: int) -> None:
+    """One line when evaluations cannot come at every multiple of ``every_steps``: they come at the
+    boundaries of the loops that cross one, and a loop runs ``steps_per_loop`` steps."""
+    if not every_steps or every_steps % steps_per_loop == 0:
+        return
+    boundaries = range(steps_per_loop, steps_per_loop * (every_steps + 3), steps_per_loop)
+    at = [b for b in boundaries if counting.crossed(every_steps, b - steps_per_loop, b)][:3]
+    logger.info(
+        "Evaluating every %d steps with %d steps per loop: an evaluation runs at the end of the loop that "
+        "crosses a multiple of %d (from step 0: steps %s, ...). For one at every multiple, make steps_per_loop "
+        "divide %d.",
+        every_steps, steps_per_loop, every_steps, ", ".join(map(str, at)), every_steps,
+    )  # fmt: skip

@@ -23,11 +23,13 @@ from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
 from estimax.errors import LeaseLostError, NonFiniteError, StoreUnavailableError
-from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop
+from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop, no_model
 from estimax.loop import read_outputs
 from estimax.preemption import PreemptionWatch
 from estimax.profiling import Profiler
 from estimax.saves import Saves
+from estimax.state import has_deleted_arrays
+from estimax.summaries import Summaries
 
 logger = logging.getLogger("estimax")
 
@@ -112,6 +114,7 @@ class TrainingLoop:
         self.last_metrics: dict[str, float] = {}
         self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
+        self._summaries = Summaries()  # the call's, from ``run``'s RunInfo
         self._stop_reason = ""
         self._unsaved_note = ""  # the last line's note of a call that ended without saving its step
 
@@ -122,6 +125,7 @@ class TrainingLoop:
         caller always holds the newest state (also when an error stops training).
         """
         began = time.perf_counter()
+        self._summaries = info.summaries
         for hook in self.hooks:
             hook.begin(info)
         # A process that is late here (a crash, another command line) is named, not waited for forever.
@@ -184,7 +188,7 @@ class TrainingLoop:
                 waited = 0.0
             unread = current
             if self.exact_stops:  # a hook may stop here: it reads this loop before the next is dispatched
-                stop |= self._after_loop(current, waited)
+                stop |= self._after_loop(current, waited, state=state)
                 unread = None
             self.profiler.after_loop(step, state)
             if preemption.requested(step, since=before):
@@ -193,7 +197,7 @@ class TrainingLoop:
         # A failed evaluation ends training: the state it evaluated is saved first.
         with self._saving_on_error(state, current, due or evaluating and self.saves.enabled):
             if unread is not None and (evaluating or due):  # they wait for this loop anyway: report it, untimed
-                stop |= self._after_loop(current, 0.0, untimed=True)
+                stop |= self._after_loop(current, 0.0, untimed=True, state=state)
                 unread = None
             if evaluating:
                 stop |= self._evaluate(evaluation, state, current, preemption)
@@ -209,7 +213,7 @@ class TrainingLoop:
         # Still watching: a signal during the final save is one line, and the save completes.
         with self._saving_on_error(state, last, self.saves.enabled and last is not None):
             if unread is not None:
-                self._after_loop(unread, 0.0, final=True)
+                self._after_loop(unread, 0.0, final=True, state=state)  # the last loop: ``state`` is its
             if preemption.signal_name is None and evaluation is not None and not self.stopped:
                 self._evaluate(evaluation, state, last, preemption, final=True)
         if last is not None and (self.saves.at_end or self.saves.enabled and preemption.signal_name):
@@ -238,8 +242,9 @@ class TrainingLoop:
                 self._save(state, loop)
             raise
 
-    def _after_loop(self, loop: _Loop, waited: float, final: bool = False, untimed: bool = False) -> bool:
-        """Hands ``loop``'s record to the hooks; whether one asked to stop."""
+    def _after_loop(self, loop: _Loop, waited: float, final=False, untimed=False, state=None) -> bool:
+        """Hands ``loop``'s record to the hooks; whether one asked to stop. ``state``: the state after
+        ``loop``, where it is still on the devices (the record's ``model()``)."""
         outputs = self._checked(loop)
         seconds = self.laps.lap(untimed=untimed, final=final)
         record = LoopRecord(
@@ -250,9 +255,17 @@ class TrainingLoop:
             waited if seconds else 0.0,
             final,
             self.runner.flops_per_step,
+            model=self._model(state, loop.step_after),
+            summaries=self._summaries.at(loop.step_after, "train"),
         )
         stopping = [hook for hook in self.hooks if hook.after_loop(record)]  # every hook sees every loop
         return self._asked_to_stop(stopping, "after_loop", loop.step_after)
+
+    def _model(self, state, step: int):
+        """A record's ``model()``: ``state``'s model while it is on the devices."""
+        if state is None:
+            return no_model(step)
+        return lambda: no_model(step)() if has_deleted_arrays(state) else self.runner.model(state)
 
     def _asked_to_stop(self, hooks: list[Hook], method: str, step: int) -> bool:
         if hooks and not self._stop_reason:
@@ -309,7 +322,14 @@ class TrainingLoop:
         if metrics is None:  # interrupted by a signal: the loop saves and exits
             return True
         self.last_metrics, self.last_eval_step = metrics, loop.step_after
-        record = EvalRecord(loop.step_after, "eval", metrics, elapsed)
+        record = EvalRecord(
+            loop.step_after,
+            "eval",
+            metrics,
+            elapsed,
+            model=self._model(state, loop.step_after),
+            summaries=self._summaries.at(loop.step_after, "eval"),
+        )
         stopping = [hook for hook in self.hooks if hook.after_eval(record)]
         stop = self._asked_to_stop(stopping, "after_eval", loop.step_after)
         self.saves.save_best(loop.step_after, state, loop.input_state, metrics)

@@ -54,6 +54,14 @@ class InBackground:
     def write_steps(self, split: str, first_step: int, columns, sampled=()) -> None:
         self._put((self.writer.write_steps, (split, first_step, columns, sampled)))
 
+    def write_summary(self, split: str, step: int, values: bytes) -> None:
+        self._put((self.writer.write_summary, (split, step, values)))
+
+    @property
+    def takes_summaries(self) -> bool:
+        """Whether the writer takes images, histograms and text (``summaries.py``): TensorBoard's does."""
+        return hasattr(self.writer, "write_summary")
+
     def flush(self) -> None:
         """Returns once what was handed so far is written and flushed to where it goes (on a store,
         uploaded), waiting at most ``CLOSE_TIMEOUT``; raises the writer's error. A writer without a

@@ -215,6 +215,11 @@ class TensorBoardWriter:
         self._pending.setdefault(split, []).append(self._encoder.event(step, values, time.time()))
         self._flush_if_due(split)
 
+    def write_summary(self, split: str, step: int, values: bytes) -> None:
+        """Encoded ``Summary.Value`` messages (images, histograms, text: ``summaries.py``) at ``step``."""
+        self._pending.setdefault(split, []).append(events.summary_event(step, values))
+        self._flush_if_due(split)
+
     def write_steps(
         self, split: str, first_step: int, columns: Mapping[str, np.ndarray], sampled: Sequence[str] = ()
     ) -> None:
@@ -239,7 +244,8 @@ class TensorBoardWriter:
         if self._start is not None and self._started is None:  # the splits earlier runs wrote
             self._started = set()
             for split in storage.listdir(self.logdir):
-                self._pending.setdefault(split, [])
+                if not split.startswith(events.FILE_PREFIX):  # the splits' runs, not the hparams beside them
+                    self._pending.setdefault(split, [])
         for split, records in self._pending.items():
             if self._start is not None and split not in self._started:
                 self._started.add(split)
@@ -249,10 +255,10 @@ class TensorBoardWriter:
             data = b"".join(r if isinstance(r, bytes) else r.encode(self._encoder) for r in records)
             if self._on_store:
                 self.fence()
-                storage.write_bytes(storage.join(self.logdir, split, events.file_name()), events.file_version() + data)
+                storage.write_bytes(storage.join(self._run(split), events.file_name()), events.file_version() + data)
             else:
                 if split not in self._files:
-                    self._files[split] = storage.join(self.logdir, split, events.file_name())
+                    self._files[split] = storage.join(self._run(split), events.file_name())
                     storage.makedirs(storage.parent(self._files[split]))
                     data = events.file_version() + data
                 with open(self._files[split], "ab") as f:
@@ -263,6 +269,10 @@ class TensorBoardWriter:
 
     def close(self) -> None:
         self.flush()
+
+    def _run(self, split: str) -> str:
+        """The directory of ``split``'s TensorBoard run; ``""``: the directory of them all (hparams)."""
+        return storage.join(self.logdir, split) if split else self.logdir
 
 
 @dataclasses.dataclass

@@ -255,3 +255,22 @@ def test_the_count_of_compiled_programs_reads_a_private_jax_name_that_still_exis
     f = jax.jit(lambda x: x + 1)
     f(1.0), f(np.ones(2, np.float32))
     assert callable(getattr(f, "_cache_size", None)) and f._cache_size() == 2
+
+
+def test_evaluations_finer_than_a_loop_say_at_which_steps_they_run(estimax_log):
+    class Steps(Hook):
+        def __init__(self):
+            self.steps = []
+
+        def after_eval(self, evaluation):
+            self.steps.append(evaluation.step)
+
+    hook = Steps()
+    est = estimator(None, steps_per_loop=8)
+    est.train_and_evaluate(
+        ex.data.from_arrays(*blobs(256)), ex.data.from_arrays(*blobs(64)), max_steps=48, eval_every_steps=20,
+        hooks=[hook],
+    )  # fmt: skip
+    (line,) = [m for m in estimax_log.messages if m.startswith("Evaluating every 20 steps")]
+    assert "with 8 steps per loop" in line and "steps 24, 40, 64, ..." in line
+    assert hook.steps == [24, 40, 48]  # as the line says, then the end
