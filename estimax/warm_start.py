@@ -48,11 +48,10 @@ class Plan(NamedTuple):
 
     def __str__(self) -> str:
         header = (
-            f"warm start: {len(self.loaded)} loaded, {len(self.skipped)} skipped, "
-            f"{len(self.initialised)} left at initialisation"
+            f"warm start{f' from {self.source}' if self.source else ''}: {len(self.loaded)} loaded, "
+            f"{len(self.skipped)} skipped, {len(self.initialised)} left at initialisation"
         )
-        header += f", {len(self.problems)} cannot load" if self.problems else ""
-        lines = [header + (f" (from {self.source})" if self.source else "")]
+        lines = [header + (f", {len(self.problems)} cannot load" if self.problems else "")]
         for t, s in self.loaded:
             note = self.notes.get(t)
             lines.append(f"  load  {t}" + ("" if t == s else f"  <- {s}") + (f"  ({note})" if note else ""))

@@ -69,14 +69,18 @@ def open_weights(path: str) -> WeightFile | None:
         return None
     name = storage.name(path).lower()
     if name.endswith(_PICKLES):
-        raise CheckpointError(
-            f"WarmStart: {path} is a pickle (PyTorch's torch.save writes them); estimax does not unpickle, "
-            f"as loading one runs code. Expected {FORMATS}. Fix: save the weights as safetensors, e.g. "
-            "safetensors.torch.save_file(model.state_dict(), 'model.safetensors')."
-        )
+        raise _pickle(path)
     suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
     kind = _SUFFIXES[suffix] if suffix else _sniff(path)
     return {"safetensors": _safetensors, "keras": _keras_h5, "msgpack": _msgpack, "npz": _npz}[kind](path)
+
+
+def _pickle(path: str) -> CheckpointError:
+    return CheckpointError(
+        f"WarmStart: {path} is a pickle (PyTorch's torch.save writes them); estimax does not unpickle, "
+        f"as loading one runs code. Expected {FORMATS}. Fix: save the weights as safetensors, e.g. "
+        "safetensors.torch.save_file(model.state_dict(), 'model.safetensors')."
+    )
 
 
 def _sniff(path: str) -> str:
@@ -144,7 +148,6 @@ def _safetensors(path: str) -> WeightFile:
 def _safetensors_shards(path: str, files: list[str]) -> WeightFile:
     """One file, or the shards of a directory (``model-00001-of-00002.safetensors``, ...), as one."""
     safetensors = _library("safetensors", "safetensors files", path)
-    _library("ml_dtypes", "bfloat16 arrays", path)  # safetensors' numpy API needs it for BF16
     if any(storage.is_url(f) for f in files):
         numpy_api = _library("safetensors.numpy", "safetensors files", path)
         arrays = {}
@@ -272,6 +275,9 @@ def _open_directory(path: str) -> WeightFile | None:
         return _safetensors_shards(path, shards)
     if "checkpoints" in names:
         return None  # an estimax model_dir
+    pickles = [n for n in names if n.lower().endswith(_PICKLES)]
+    if pickles and not any(n.isdigit() for n in names):
+        raise _pickle(storage.join(path, pickles[0]))  # e.g. a model directory with pytorch_model.bin only
     if not storage.is_url(path) and any(f.endswith(".npy") for _, _, files in os.walk(path) for f in files):
         return _npy_directory(path)
     step = _orbax_step(path, names)

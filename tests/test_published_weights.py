@@ -66,7 +66,7 @@ def test_a_safetensors_file_in_bfloat16_with_pytorch_names_and_layout_starts_tra
     ]
     assert plan.skipped == ["pooler.weight"] and plan.initialised == [] and plan.problems == ()
     assert plan.notes["l1/kernel"] == "transposed; bfloat16 -> float32"  # bf16 into float32 is exact
-    assert f"(from {path} (safetensors))" in str(plan)
+    assert str(plan).startswith(f"warm start from {path} (safetensors): 4 loaded, 1 skipped, 0 left at")
     assert "  load  l1/kernel  <- encoder.weight  (transposed; bfloat16 -> float32)" in str(plan)
 
     loaded = _params(est)
@@ -159,7 +159,7 @@ def test_another_projects_orbax_checkpoints_a_pytree_and_a_managers_latest_step(
     warm = ex.WarmStart(str(tmp_path / "manager"), include=["l1/kernel"], rename={"l1/kernel": "model/dense/w"})
     np.testing.assert_array_equal(_params(estimator(warm_start=warm))["l1/kernel"], np.full((6, 32), 20.0))
     step_10 = ex.WarmStart(str(tmp_path / "manager" / "10"), include=["l1/kernel"], rename=warm.rename)
-    assert "(from " + str(tmp_path / "manager" / "10" / "default") + " (orbax))" in str(
+    assert f"warm start from {tmp_path / 'manager' / '10' / 'default'} (orbax): 1 loaded" in str(
         step_10.plan(estimator().state_shapes().params)
     )
 
@@ -187,7 +187,10 @@ def test_each_mistake_is_one_line_naming_the_parameter(tmp_path):
         "parameter l2/kernel has shape (32, 3) but classifier.weight in the file has shape (32, 4). "
         "Fix: exclude it, e.g. exclude=['l2/.*'].",
     )
-    assert str(plan).splitlines()[0].endswith("3 cannot load (from " + path + " (safetensors))")
+    assert (
+        str(plan).splitlines()[0]
+        == f"warm start from {path} (safetensors): 1 loaded, 1 skipped, 0 left at initialisation, 3 cannot load"
+    )
     with pytest.raises(ex.CheckpointError, match=r"3 parameter\(s\) cannot load:\nparameter l1/bias .*\n") as raised:
         _ = estimator(warm_start=warm).step
     assert len(str(raised.value).splitlines()) == 4
@@ -206,6 +209,10 @@ def test_files_it_cannot_read_are_named_with_the_fix(tmp_path, monkeypatch):
     pickle.write_bytes(b"\x80\x02}q\x00.")
     with pytest.raises(ex.CheckpointError, match=r"pytorch_model.bin is a pickle .* safetensors.torch.save_file"):
         ex.WarmStart(str(pickle)).plan({})
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")
+    with pytest.raises(ex.CheckpointError, match=r"hub/pytorch_model.bin is a pickle"):
+        ex.WarmStart(str(tmp_path / "hub")).plan({})
     unknown = tmp_path / "weights.dat"
     unknown.write_bytes(b"GGUF\x03\x00\x00\x00")
     with pytest.raises(ex.CheckpointError, match=r"weights.dat is a file of an unknown format \(it starts with b'GGUF"):
@@ -229,3 +236,19 @@ def test_a_file_without_a_known_suffix_is_recognised_by_its_content(tmp_path):
     assert os.path.isfile(path)
     plan = ex.WarmStart(path).plan(estimator().state_shapes().params)
     assert plan.loaded == [("l1/kernel", "l1/kernel")] and plan.source == f"{path} (safetensors)"
+
+
+def test_files_on_a_store_are_read_through_it(tmp_path):
+    """A URL's file is read whole through fsspec (here its in-memory store), then by its library."""
+    import fsspec
+    import safetensors.numpy
+    from flax import serialization
+
+    root = f"memory://published-{tmp_path.name}"
+    kernel = RNG.normal(size=(6, 32)).astype(np.float32)
+    fs = fsspec.filesystem("memory")
+    fs.pipe(f"{root}/model.safetensors", safetensors.numpy.save({"l1/kernel": kernel}))
+    fs.pipe(f"{root}/model.msgpack", serialization.msgpack_serialize({"l1": {"kernel": kernel}}))
+    for name in ("model.safetensors", "model.msgpack"):
+        est = estimator(warm_start=ex.WarmStart(f"{root}/{name}", include=["l1/kernel"]))
+        np.testing.assert_array_equal(_params(est)["l1/kernel"], kernel)
