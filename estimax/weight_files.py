@@ -17,6 +17,7 @@ checkpoints (``checkpoint.py``) nor which parameter takes which array (``warm_st
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import io
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -115,8 +116,6 @@ def _local_or_bytes(path: str):
 
 
 def _library(module: str, what: str, path: str):
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -245,16 +244,21 @@ def _msgpack(path: str) -> WeightFile:
     return from_arrays(path, "flax msgpack", _flat(tree))
 
 
-def _flat(tree, prefix: str = "") -> dict[str, np.ndarray]:
-    """``{a/b/c: array}`` of a nested dict (and list) state; non-numeric leaves left out."""
+def _flat(tree) -> dict[str, np.ndarray]:
+    """``{a/b/c: array}`` of the numeric leaves of a nested dict (and list) state."""
+    arrays = {name: np.asarray(leaf) for name, leaf in _leaves(tree).items()}
+    return {name: a for name, a in arrays.items() if a.dtype.kind in "biufcV"}  # bfloat16 is of kind V
+
+
+def _leaves(tree, prefix: str = "") -> dict:
+    """``{a/b/c: leaf}`` of a nested dict (and list) tree; an NNX variable's ``/value`` left out, as
+    estimax names parameters."""
     items = tree.items() if isinstance(tree, Mapping) else enumerate(tree) if isinstance(tree, list | tuple) else None
     if items is None:
-        array = np.asarray(tree)
-        keep = array.dtype.kind in "biufcV"  # numbers (bfloat16 is of kind V), not strings
-        return {prefix.removesuffix("/value"): array} if keep else {}
+        return {prefix.removesuffix("/value"): tree}
     out = {}
     for key, value in items:
-        out.update(_flat(value, f"{prefix}/{key}" if prefix else str(key)))
+        out.update(_leaves(value, f"{prefix}/{key}" if prefix else str(key)))
     return out
 
 
@@ -332,25 +336,21 @@ def _orbax(path: str) -> WeightFile:
     tree = getattr(metadata, "tree", metadata)
     specs = {
         name: ArraySpec(tuple(leaf.shape), np.dtype(leaf.dtype))
-        for name, leaf in _flat_leaves(tree).items()
-        if getattr(leaf, "shape", None) is not None and getattr(leaf, "dtype", None) is not None
+        for name, leaf in _leaves(tree).items()
+        if _restore_type(leaf) is np.ndarray
     }
     restored: dict[str, np.ndarray] = {}
 
     def read(names):
         if not restored:  # once, whole: Orbax restores a tree
-            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            args = jax.tree.map(lambda leaf: ocp.RestoreArgs(restore_type=_restore_type(leaf)), tree)
             restored.update(_flat(handler.restore(directory, args=ocp.args.PyTreeRestore(restore_args=args))))
         return {n: restored[n] for n in names}
 
     return WeightFile(path, "orbax", specs, read)
 
 
-def _flat_leaves(tree, prefix: str = "") -> dict:
-    items = tree.items() if isinstance(tree, Mapping) else enumerate(tree) if isinstance(tree, list | tuple) else None
-    if items is None:
-        return {prefix.removesuffix("/value"): tree}
-    out = {}
-    for key, value in items:
-        out.update(_flat_leaves(value, f"{prefix}/{key}" if prefix else str(key)))
-    return out
+def _restore_type(leaf) -> type | None:
+    """numpy for an array's or a number's metadata; ``None`` (Orbax's own choice) for another leaf."""
+    numeric = getattr(leaf, "shape", None) is not None and getattr(leaf, "dtype", None) is not None
+    return np.ndarray if numeric else None
