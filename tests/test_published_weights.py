@@ -252,3 +252,26 @@ def test_files_on_a_store_are_read_through_it(tmp_path):
     for name in ("model.safetensors", "model.msgpack"):
         est = estimator(warm_start=ex.WarmStart(f"{root}/{name}", include=["l1/kernel"]))
         np.testing.assert_array_equal(_params(est)["l1/kernel"], kernel)
+
+
+def test_a_directory_of_safetensors_shards_reads_as_one_file(tmp_path):
+    import safetensors.numpy
+
+    kernel, bias = RNG.normal(size=(6, 32)).astype(np.float32), RNG.normal(size=(32,)).astype(np.float32)
+    safetensors.numpy.save_file({"l1/kernel": kernel}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    safetensors.numpy.save_file({"l1/bias": bias}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    est = estimator(warm_start=ex.WarmStart(str(tmp_path)))
+    np.testing.assert_array_equal(_params(est)["l1/kernel"], kernel)
+    np.testing.assert_array_equal(_params(est)["l1/bias"], bias)
+
+
+def test_an_estimax_run_is_still_read_as_one_not_as_another_projects_orbax_checkpoint(tmp_path):
+    source = estimator(str(tmp_path / "source"))
+    source.train(DATA, max_steps=4)
+    trained = _params(source)
+    for path in ("source", "source/checkpoints", "source/checkpoints/4"):
+        warm = ex.WarmStart(str(tmp_path / path))
+        plan = warm.plan(source.state_shapes().params)
+        assert plan.source.endswith("(estimax checkpoint)") and len(plan.loaded) == 4, path
+    np.testing.assert_array_equal(_params(estimator(warm_start=warm))["l2/kernel"], trained["l2/kernel"])
