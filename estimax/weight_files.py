@@ -20,6 +20,7 @@ import dataclasses
 import importlib
 import io
 import os
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
@@ -50,10 +51,12 @@ class WeightFile:
         return self.reader(list(names)) if names else {}
 
 
-FORMATS = "a .safetensors, .weights.h5 (Keras 3), .msgpack (Flax) or .npz file"
+FORMATS = "a .safetensors, .weights.h5 or .keras (Keras 3), .msgpack (Flax) or .npz file"
 """What a weights file may be, as errors name it."""
 
-_SUFFIXES = {".safetensors": "safetensors", ".h5": "keras", ".hdf5": "keras", ".msgpack": "msgpack", ".npz": "npz"}
+_SUFFIXES = {".safetensors": "safetensors", ".h5": "keras", ".hdf5": "keras", ".keras": "keras archive"}
+_SUFFIXES |= {".msgpack": "msgpack", ".npz": "npz"}
+_KERAS_WEIGHTS = "model.weights.h5"  # the weights inside a .keras archive (a zip)
 _PICKLES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")  # PyTorch's and others' pickles: loading one runs code
 _HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -73,7 +76,8 @@ def open_weights(path: str) -> WeightFile | None:
         raise _pickle(path)
     suffix = next((s for s in _SUFFIXES if name.endswith(s)), None)
     kind = _SUFFIXES[suffix] if suffix else _sniff(path)
-    return {"safetensors": _safetensors, "keras": _keras_h5, "msgpack": _msgpack, "npz": _npz}[kind](path)
+    readers = {"safetensors": _safetensors, "keras": _keras_h5, "keras archive": _keras_archive}
+    return (readers | {"msgpack": _msgpack, "npz": _npz})[kind](path)
 
 
 def _pickle(path: str) -> CheckpointError:
@@ -91,7 +95,8 @@ def _sniff(path: str) -> str:
     if head.startswith(_HDF5_MAGIC):
         return "keras"
     if head.startswith(_ZIP_MAGIC):
-        return "npz"
+        with _opened(path) as f, zipfile.ZipFile(f) as archive:
+            return "keras archive" if _KERAS_WEIGHTS in archive.namelist() else "npz"
     if len(head) > 8 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") > 0:
         return "safetensors"  # an 8-byte header length, then the JSON header
     if head[:1] and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
@@ -186,11 +191,28 @@ def _safetensors_dtype(code: str) -> np.dtype:
 
 
 def _keras_h5(path: str) -> WeightFile:
+    return _keras_weights(path, "keras .weights.h5", lambda: _local_or_bytes(path))
+
+
+def _keras_archive(path: str) -> WeightFile:
+    """A ``.keras`` file (``model.save``): a zip holding the weights as ``model.weights.h5``."""
+    with _opened(path) as f, zipfile.ZipFile(f) as archive:
+        if _KERAS_WEIGHTS not in archive.namelist():
+            raise CheckpointError(
+                f"WarmStart: {path} is a zip without {_KERAS_WEIGHTS}; expected a .keras file that Keras 3's "
+                "model.save wrote. Fix: model.save('model.keras'), or model.save_weights('model.weights.h5')."
+            )
+        weights = archive.read(_KERAS_WEIGHTS)
+    return _keras_weights(path, "keras archive", lambda: io.BytesIO(weights))
+
+
+def _keras_weights(path: str, format_: str, source: Callable) -> WeightFile:
     """Keras 3 writes each layer's variables as datasets ``<attribute path>/vars/<index>`` whose
     ``vars`` group carries the layer's ``name``; the arrays are named by those names from the
-    model down, then the index (a file of another layout: each dataset by its own HDF5 path)."""
+    model down, then the index (a file of another layout: each dataset by its own HDF5 path).
+    ``source()``: what ``h5py.File`` opens (a path or a file object)."""
     h5py = _library("h5py", "HDF5 files", path)
-    with h5py.File(_local_or_bytes(path), "r") as f:
+    with h5py.File(source(), "r") as f:
         found = []
         f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset) else None)
         specs_by_path = {p: ArraySpec(tuple(f[p].shape), _h5_dtype(f[p])) for p in found}
@@ -200,10 +222,10 @@ def _keras_h5(path: str) -> WeightFile:
     paths = {name: p for p, name in names.items()}
 
     def read(wanted):
-        with h5py.File(_local_or_bytes(path), "r") as f:
+        with h5py.File(source(), "r") as f:
             return {n: _h5_array(f[paths[n]]) for n in wanted}
 
-    return WeightFile(path, "keras .weights.h5", {names[p]: spec for p, spec in specs_by_path.items()}, read)
+    return WeightFile(path, format_, {names[p]: spec for p, spec in specs_by_path.items()}, read)
 
 
 def _keras_name(f, h5_path: str) -> str:

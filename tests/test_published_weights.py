@@ -110,6 +110,11 @@ def test_a_keras_weights_h5_file_loads_by_layer_name_and_variable_index(tmp_path
     np.testing.assert_array_equal(loaded["l1/kernel"], by_path["body/kernel"])
     np.testing.assert_array_equal(loaded["l1/bias"], by_path["body/bias"])
 
+    model.save(str(tmp_path / "model.keras"))  # the whole model: a zip holding model.weights.h5
+    archive = ex.WarmStart(str(tmp_path / "model.keras"), rename=warm.rename)
+    plan = archive.plan(est.state_shapes().params)
+    assert plan.loaded == [("l1/bias", "body/1"), ("l1/kernel", "body/0")] and plan.source.endswith("(keras archive)")
+
 
 def test_a_flax_msgpack_file_of_linen_parameters(tmp_path):
     from flax import linen as nn
