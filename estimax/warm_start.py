@@ -75,7 +75,7 @@ class WarmStart:
 
     Attributes:
       path: another run's model_dir / checkpoint directory / step directory; a ``.safetensors``
-        file (or a directory of them), a Keras 3 ``.weights.h5`` file, a Flax ``.msgpack`` file,
+        file (or a directory of them), a Keras 3 ``.weights.h5`` or ``.keras`` file, a Flax ``.msgpack`` file,
         another project's Orbax checkpoint directory, a ``.npz`` file or a directory of ``.npy``
         files. Its arrays keep the file's own names (``WarmStart(path).plan(...)`` lists them).
       include: regexes; a parameter is a candidate when its path fully matches one.
@@ -213,6 +213,12 @@ class WarmStart:
                 )
             shape = tuple(shape[a] for a in axes)
             notes.append("transposed")
+        if shape != tuple(target.shape) and axes is not None and tuple(spec.shape) == tuple(target.shape):
+            return (
+                f"parameter {name} has shape {tuple(target.shape)}, as {source_name} in the file has, but transpose "
+                f"turns it into {shape}. Fix: leave {name} out of WarmStart(transpose=...).",
+                None,
+            )
         if shape != tuple(target.shape):
             return _wrong_shape(name, target.shape, source_name, spec.shape, axes is None), None
         if spec.dtype != target.dtype:

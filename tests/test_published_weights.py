@@ -182,7 +182,8 @@ def test_each_mistake_is_one_line_naming_the_parameter(tmp_path):
     safetensors.numpy.save_file(arrays, path)
     rename = dict(TORCH_NAMES) | {r"^l1/bias$": "encoder.biases"}  # a name the file does not hold
     warm = ex.WarmStart(path, rename=rename)
-    plan = warm.plan(estimator().state_shapes().params)
+    shapes = estimator().state_shapes().params
+    plan = warm.plan(shapes)
     assert plan.loaded == [("l2/bias", "classifier.bias")] and plan.notes == {"l2/bias": "float64 -> float32, inexact"}
     assert plan.problems == (
         "parameter l1/bias is renamed to encoder.biases by rename['^l1/bias$'], which the file does not hold "
@@ -201,11 +202,29 @@ def test_each_mistake_is_one_line_naming_the_parameter(tmp_path):
     assert len(str(raised.value).splitlines()) == 4
 
     bias_only = ex.WarmStart(path, include=["l1/bias"], rename={"l1/bias": "encoder.bias"})
-    (line,) = bias_only.plan(estimator().state_shapes().params).problems
+    (line,) = bias_only.plan(shapes).problems
     assert line.startswith("parameter l1/bias is float32 but encoder.bias in the file is complex64: a cast")
 
+    too_many = ex.WarmStart(path, include=["l2/kernel"], rename=TORCH_NAMES, transpose=["l2/kernel"])
+    (line,) = too_many.plan(shapes).problems
+    assert line == (
+        "parameter l2/kernel has shape (32, 3) but classifier.weight in the file has shape (32, 4). "
+        "Fix: exclude it, e.g. exclude=['l2/.*']."
+    )  # transposed, (4, 32) fits no better: the file's shape is named
+    safetensors.numpy.save_file({"w": np.ones((6, 32), np.float32)}, str(tmp_path / "flax-layout.safetensors"))
+    needless = ex.WarmStart(
+        str(tmp_path / "flax-layout.safetensors"),
+        include=["l1/kernel"],
+        rename={"l1/kernel": "w"},
+        transpose=["l1/kernel"],
+    )
+    (line,) = needless.plan(shapes).problems
+    assert line == (
+        "parameter l1/kernel has shape (6, 32), as w in the file has, but transpose turns it into (32, 6). "
+        "Fix: leave l1/kernel out of WarmStart(transpose=...)."
+    )
     transposed = ex.WarmStart(path, include=["l1/kernel"], rename=TORCH_NAMES, transpose={"l1/kernel": (1, 0, 2)})
-    (line,) = transposed.plan(estimator().state_shapes().params).problems
+    (line,) = transposed.plan(shapes).problems
     assert line.startswith("parameter l1/kernel: transpose axes (1, 0, 2) do not order the 2 axes of encoder.weight")
 
 
