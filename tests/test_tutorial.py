@@ -3,8 +3,6 @@
 import os
 import shutil
 
-import pytest
-
 NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "docs", "tutorial.ipynb")
 
 
