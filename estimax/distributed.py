@@ -119,7 +119,8 @@ def initialize(
             ) from error
         raise
     if jax.process_count() > 1:
-        peers.PeerWatch(_client(), jax.process_index(), jax.process_count(), peer_timeout).start()
+        host = coordinator.rsplit(":", 1)[0] if coordinator else None  # where the others reach process 0
+        peers.PeerWatch(_client(), jax.process_index(), jax.process_count(), peer_timeout, host).start()
     if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
         logger.setLevel(logging.WARNING)  # process 0 speaks for the group
     from estimax.writers import ensure_console

@@ -17,8 +17,13 @@ distributed service detected fatal errors"), and the callback it would call
 instead cannot be a Python function (jaxlib cannot pass it the status: the
 process ends on ``std::bad_cast``). So JAX's heartbeat is set to three times
 estimax's timeout and stays as the backstop. When process 0 itself is lost,
-the coordination service it hosts goes with it: each survivor notices within
-a second, and its line races JAX's abort.
+the coordination service it hosts goes with it, and JAX aborts the survivors
+about a tenth of a second later. So each survivor also holds a plain TCP
+connection to process 0 (its lifeline): the kernel closes it the moment
+process 0 dies, and the survivor says its line and exits before JAX's client
+has noticed; a process 0 that ends normally sends one byte first. Where that
+connection cannot be made (a network that allows only JAX's port), the
+beat's next call finds the service gone, and the line races JAX's abort.
 
 Does not own forming the group (``distributed.py``) nor starting it again
 (``cli/launch.py``, a cluster manager): the same command resumes from the
@@ -28,6 +33,7 @@ last committed checkpoint.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -52,6 +58,8 @@ JAX_HEARTBEAT_FACTOR = 3  # JAX's own heartbeat timeout, a multiple of estimax's
 _ALIVE = "estimax/alive/"
 _WORD = "estimax/word/"  # process 0's line to each process, or the process's own word that it leaves
 _TOLD = "estimax/lost-told/"
+_LIFELINE = "estimax/lifeline"  # process 0's "host:port", where the others connect
+_LEAVING = b"L"  # process 0's byte on its lifelines when it ends normally
 # How long process 0 keeps the coordination service up after the survivors said they read its line:
 # each exits right after saying so, but a loaded host may run it a moment later, and JAX aborts a
 # process whose service went away (SIGABRT instead of PEER_LOST_EXIT_CODE).
@@ -92,8 +100,14 @@ class PeerWatch:
     # say where its checkpoints stand.
     _this_process: ClassVar[PeerWatch | None] = None
 
-    def __init__(self, client, process: int, num_processes: int, timeout: float):
+    def __init__(self, client, process: int, num_processes: int, timeout: float, host: str | None = None):
+        """``host``: the address at which the others reach process 0 (the coordinator's host), if known."""
         self.client, self.process, self.num_processes, self.timeout = client, process, num_processes, timeout
+        self.host = host or socket.gethostname()
+        self._lifelines: list[socket.socket] = []  # process 0: one connection from each other process
+        self._server: socket.socket | None = None  # process 0: where they connect
+        self._coordinator_host = host  # the others: process 0's host, from its lifeline
+        self._stopping = threading.Lock()  # one line, whichever thread sees the loss first
         self.committed_step: Callable[[], int | None] = lambda: None  # the last committed checkpoint
         self._committed: int | None = None  # its last answer
         self._asking: threading.Thread | None = None
@@ -107,6 +121,11 @@ class PeerWatch:
 
     def start(self) -> None:
         PeerWatch._this_process = self
+        lifeline = self._hold_lifelines if self.process == 0 else self._watch_lifeline
+        if self.process == 0:
+            self._server = socket.create_server(("", 0), backlog=self.num_processes)
+            self.client.key_value_set(_LIFELINE, f"{self.host}:{self._server.getsockname()[1]}", allow_overwrite=True)
+        threading.Thread(target=lifeline, daemon=True, name="estimax-lifeline").start()
         self._thread.start()
         atexit.register(self.leave)  # before JAX's own shutdown, registered when JAX was imported
 
@@ -120,6 +139,10 @@ class PeerWatch:
         if failed and not isinstance(error, EstimaxError):  # often a collective's, after a peer was lost:
             self._thread.join(timeout=bound_seconds(self.timeout))  # the watch may name the loss first
         self._leaving.set()
+        if self.process == 0 and not failed:
+            for connection in list(self._lifelines):  # not lost: it ends normally
+                with contextlib.suppress(OSError):
+                    connection.sendall(_LEAVING)
         try:
             if self.process != 0:
                 self.client.key_value_set(f"{_WORD}{self.process}", _LEFT, allow_overwrite=True)  # wakes the beat
@@ -138,17 +161,34 @@ class PeerWatch:
             if self.process == 0:
                 logger.warning("The watch over the group's processes stopped: %s", _first_line(error))
                 return
-            self._stop(  # the coordination service is gone: process 0, which hosts it
-                f"lost process 0 (the coordinator) of the group of {self.num_processes}: JAX's coordination service "
-                f"does not answer ({_first_line(error)}). Run the same command again to resume from the last "
-                "committed checkpoint."
-            )
+            cause = f"JAX's coordination service it hosts does not answer ({_first_line(error)})"
+            self._stop(self._coordinator_lost(cause))
+
+    def _hold_lifelines(self) -> None:
+        """Process 0: accepts each other process's connection and keeps it open while it lives."""
+        with contextlib.suppress(OSError):
+            while len(self._lifelines) < self.num_processes - 1:
+                self._lifelines.append(self._server.accept()[0])
+
+    def _watch_lifeline(self) -> None:
+        """Every other process: its connection to process 0 ends the moment process 0 does."""
+        try:
+            host, port = self.client.blocking_key_value_get(_LIFELINE, 60_000).rsplit(":", 1)
+            self._coordinator_host = host
+            connection = socket.create_connection((host, int(port)), timeout=10)
+            connection.settimeout(None)
+            ended = connection.recv(1)
+        except Exception:  # no lifeline here (a closed port, the service gone first): the beat watches
+            return
+        if ended != _LEAVING and not self._leaving.is_set():
+            self._stop(self._coordinator_lost("its connection to this process closed"))
 
     def _beat(self) -> None:
         host, count = socket.gethostname(), 0
         while not self._leaving.is_set():
             count += 1
             self.client.key_value_set(f"{_ALIVE}{self.process}", f"{count} {host}", allow_overwrite=True)
+            self._ask_committed(wait=False)  # the step to name if process 0 is lost: known beforehand
             try:  # waits one interval for process 0's word
                 word = self.client.blocking_key_value_get(f"{_WORD}{self.process}", int(self.interval * 1000))
             except Exception as error:
@@ -232,7 +272,25 @@ class PeerWatch:
         time.sleep(_TOLD_GRACE_SECONDS if survivors else 0.0)
         self._exit()
 
+    def _coordinator_lost(self, cause: str) -> str:
+        """The line of a survivor of process 0, with the last committed step it knew of."""
+        step = self._committed
+        resume = (
+            "No checkpoint was committed in this run as far as this process knows: the same command starts from the "
+            "model_dir's latest, if any"
+            if step is None
+            else f"The last committed checkpoint is step {step}: resume from step {step} with the same command"
+        )
+        return (
+            f"lost process 0 (the coordinator, host {self._coordinator_host or 'unknown'}) of the group of "
+            f"{self.num_processes}: "
+            f"{cause} (killed, ended on an error, or its host is gone). {resume} (estimax launch --max-restarts or a "
+            "cluster manager's restart does it)."
+        )
+
     def _stop(self, line: str) -> None:
+        if not self._stopping.acquire(blocking=False):  # the other thread is saying it
+            return
         self._say(line)
         self._exit()
 
