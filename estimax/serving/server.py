@@ -298,10 +298,9 @@ class Handler:
     def status(self, statuses: list[dict]) -> dict:
         """TF Serving's status answer, with the requests estimax is working on (and the base) alongside."""
         extra = {"requests_in_flight": self.versions.in_flight()}
-        return {
-            "model_version_status": statuses,
-            "estimax": extra if self.base is None else {**extra, "base": self.base},
-        }
+        if self.base is not None:
+            extra.update(base=self.base, polls=self.versions.polls)
+        return {"model_version_status": statuses, "estimax": extra}
 
     def metadata(self, version) -> dict:
         """TF Serving's metadata answer, with estimax's signature.json alongside."""

@@ -132,6 +132,7 @@ class Versions:
         self._available = asyncio.Event()
         self._store_trouble = ""
         self._unloading: set[asyncio.Task] = set()
+        self.polls = 0  # polls of the base finished, failed ones included
 
     def hold(self, number: int, path: str, model) -> None:
         """Serves one artifact already loaded (and calibrated): ``estimax serve ARTIFACT``."""
@@ -164,6 +165,7 @@ class Versions:
                 await self.poll()
             except Exception as error:  # e.g. the base's bucket lost its permissions: keep serving, keep trying
                 self._say_store_trouble(error)
+            self.polls += 1
             await asyncio.sleep(poll_seconds)
 
     async def poll(self) -> None:
