@@ -256,7 +256,7 @@ def _choose(base: str, num_versions: int, held: set[int], broken: dict[int, str]
     """``(wanted, present)``: the newest ``num_versions`` versions worth holding as ``[(number, path)]``,
     and every version number listed. A version is worth holding when held already, or complete and
     not remembered broken with the same files."""
-    names = {int(n): n for n in storage.listdir(base) if n.isdigit()}
+    names = {int(n): n for n in storage.listdir(base) if n.isascii() and n.isdigit()}
     wanted = []
     for number in sorted(names, reverse=True):
         if len(wanted) == num_versions:
