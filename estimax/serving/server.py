@@ -121,6 +121,10 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from estimax import compile_cache
+
+    # A restart, and a new version of the same model (its weights are arguments, not constants), do not compile again.
+    compile_cache.enable(compile_cache.default_directory())
     path = storage.resolve(args.path)
     batching = versions_.Batching(
         1 if args.no_batching else args.max_batch_size, args.batch_timeout_ms / 1e3, not args.no_calibration
