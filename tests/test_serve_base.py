@@ -68,7 +68,7 @@ def publish(artifact: str, base: str, number: int) -> str:
 class Server:
     """``estimax serve BASE`` in a process of its own; its stderr goes to a file read as it runs."""
 
-    def __init__(self, base: str, log_dir, *options):
+    def __init__(self, base: str, log_dir, *options, before_ready=None):
         self.port, self.base = free_port(), base
         self.name = storage.name(base)
         self.log = os.path.join(log_dir, f"serve-{self.port}.log")
@@ -77,6 +77,8 @@ class Server:
         command = [sys.executable, "-m", "estimax.cli", "serve", base, "--port", str(self.port), *options]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log)
+        if before_ready is not None:
+            before_ready(self)
         wait_for(lambda: self._answers() or self.process.poll() is not None, "the server to start")
         assert self.process.poll() is None, self.stderr()
 
@@ -266,6 +268,22 @@ def test_a_version_removed_from_the_base_is_unloaded_unless_it_is_the_last(stage
         shutil.rmtree(os.path.join(base, "1"))  # the only one: it keeps serving
         server.wait_polls(5)
         assert server.states() == {1: "AVAILABLE"} and server.predict(x)[2] == "1"
+    finally:
+        server.stop()
+
+
+def test_an_empty_base_is_waited_on_until_its_first_version(staged, base, tmp_path):
+    def first_version_arrives(server):
+        wait_for(lambda: "Waiting for a first complete version" in server.stderr(), "the server to wait")
+        assert not server._answers()  # the port opens once a version is AVAILABLE
+        publish(staged[2], base, 7)
+
+    server = Server(base, tmp_path, "--poll-seconds", "0.05", "--no-calibration", "--max-batch-size", "2",
+                    before_ready=first_version_arrives)  # fmt: skip
+    try:
+        x = _rows(4)
+        status, answer, version = server.predict(x)
+        assert (status, version) == (200, "7") and _close(answer["predictions"], serving.load(staged[2])(x))
     finally:
         server.stop()
 

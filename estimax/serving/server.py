@@ -206,10 +206,15 @@ async def _first_version(versions: versions_.Versions, stop: asyncio.Event, base
     """Waits until a version of the base is AVAILABLE (True) or a signal came first (False)."""
     available = asyncio.create_task(versions.wait_available())
     signalled = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait([available, signalled], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-    if not done:
-        print(f"Waiting for a first complete version under {base} (BASE/<step>/signature.json)", file=sys.stderr)
-        done, _ = await asyncio.wait([available, signalled], return_when=asyncio.FIRST_COMPLETED)
+    said = False
+    while True:
+        done, _ = await asyncio.wait([available, signalled], timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        if done:
+            break
+        loading = any(v.state in (versions_.START, versions_.LOADING) for v in versions.table.values())
+        if versions.polls and not loading and not said:
+            print(f"Waiting for a first complete version under {base} (BASE/<step>/signature.json)", file=sys.stderr)
+            said = True
     for task in (available, signalled):
         task.cancel()
     return available in done
