@@ -254,6 +254,28 @@ def test_swaps_under_load_drop_no_request_and_answer_with_each_version(staged, b
     assert all(f"Version {n} AVAILABLE" in log for n in (20, 30, 40)) and "refused" not in log, log
 
 
+def test_the_old_version_answers_what_it_holds_while_unloading(staged, base, tmp_path):
+    publish(staged[0], base, 1)
+    # A one-row request waits up to 10 s in the batcher for a second row: it is in flight across the swap.
+    server = Server(base, tmp_path, "--poll-seconds", "0.05", "--no-calibration", "--max-batch-size", "2",
+                    "--batch-timeout-ms", "10000")  # fmt: skip
+    try:
+        x = _rows(6, n=1)
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        conn.request("POST", "/v1/models/demo:predict", json.dumps({"instances": x.tolist()}).encode())
+        wait_for(lambda: server.status()["estimax"]["requests_in_flight"] == 1, "the request to wait in the batcher")
+        publish(staged[1], base, 2)
+        wait_for(lambda: server.states() == {2: "AVAILABLE", 1: "UNLOADING"}, "version 1 unloading")
+        response = conn.getresponse()
+        answer = json.loads(response.read())
+        conn.close()
+        assert (response.status, response.getheader(VERSION_HEADER)) == (200, "1")
+        assert _close(answer["predictions"], serving.load(staged[0])(x))
+        wait_for(lambda: server.states() == {2: "AVAILABLE", 1: "END"}, "version 1 unloaded")
+    finally:
+        server.stop()
+
+
 def test_a_version_removed_from_the_base_is_unloaded_unless_it_is_the_last(staged, base, tmp_path):
     publish(staged[0], base, 1)
     publish(staged[1], base, 2)

@@ -212,6 +212,7 @@ class Versions:
             )
             return
         self.max_batch, self._calibrated = loaded.max_batch, True
+        self.broken.pop(version.number, None)  # its files changed since: it loads now
         version.start(loaded.model, dataclasses.replace(self.batching, max_batch=self.max_batch), self.executor)
         self._available.set()
         newest = self.pick() is version
@@ -229,6 +230,7 @@ class Versions:
         if len(unwanted) == len(available):
             unwanted = unwanted[1:]  # none of the wanted ones could be loaded: the newest held keeps serving
         for version in reversed(unwanted):
+            version.state = UNLOADING  # at once: no request picks it from now on
             task = asyncio.create_task(self._unload(version))
             self._unloading.add(task)
             task.add_done_callback(self._unloading.discard)
