@@ -60,9 +60,11 @@ class Checkpointer:
         read_only: bool = False,
         best: tuple[str, str] | None = None,
         lock=None,
+        run_meta: dict | None = None,
     ):
         """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric.
-        ``lock``: the model_dir's lock (``lock.py``, ``lease.py``), whose ``prove()`` fences every write."""
+        ``lock``: the model_dir's lock (``lock.py``, ``lease.py``), whose ``prove()`` fences every write.
+        ``run_meta``: how the run was set up, saved with every checkpoint under ``"run"``."""
         noise.quiet_libraries()
         self.directory = storage.resolve(directory)
         self.policy = policy or CheckpointPolicy()
@@ -76,7 +78,7 @@ class Checkpointer:
         self._names_read: list[str] | None = None  # a local folder's names when Orbax last read its steps
         self._checksums = jax.jit(checksums)
         self.schedule = SaveSchedule(self.policy)
-        self.run_meta: dict = {}  # how the run was set up, saved with every checkpoint under "run"
+        self.run_meta: dict = run_meta or {}
         self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
         self._moved_aside: dict[int, str] = {}
         self._saving: int | None = None  # the step of the latest save started

@@ -201,9 +201,9 @@ class Sync:
     def track_checkpoints(self, committed_step: Callable[[], int | None]) -> None:
         """``committed_step()`` gives the last committed checkpoint step, which the survivors name
         if a process of the group is lost."""
-        watch = peers.PeerWatch.of_this_process()
+        watch = peers.this_process()
         if watch is not None:
-            watch.committed_step = committed_step
+            watch.track(committed_step)
 
     def barrier(self, what: str) -> None:
         if self._client is None:

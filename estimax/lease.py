@@ -84,15 +84,21 @@ class LeaseLock:
 
     ``lease_seconds`` and ``deadline_seconds`` default to ``ESTIMAX_LEASE_SECONDS`` (60) and
     ``ESTIMAX_STORE_DEADLINE_SECONDS`` (120). ``committed_step``: the last step saved for good,
-    which the lines about a failure tell the user to resume from (the run directory sets it).
+    which the lines about a failure tell the user to resume from (the run directory's checkpoints).
     """
 
-    def __init__(self, model_dir: str, lease_seconds: float | None = None, deadline_seconds: float | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        lease_seconds: float | None = None,
+        deadline_seconds: float | None = None,
+        committed_step: Callable[..., int | None] | None = None,
+    ):
         self.model_dir = storage.resolve(model_dir)
         self.path = storage.join(self.model_dir, LOCK_FILE)
         self.lease_seconds = lease_seconds or seconds_from_environment(LEASE_SECONDS, 60.0)
         self.deadline_seconds = deadline_seconds or seconds_from_environment(DEADLINE_SECONDS, 120.0)
-        self.committed_step: Callable[..., int | None] = lambda read=False: None
+        self.committed_step = committed_step or (lambda read=False: None)
         self.held = False
         self.left: tuple[int, ...] = ()  # steps an earlier holder may still be writing: never written here
         self._object = None
@@ -460,6 +466,9 @@ def delete_command(path: str) -> str:
     return f"`gcloud storage rm {path}`" if storage.scheme(path) == "gs" else f"`aws s3 rm {path}`"
 
 
-def lock_for(model_dir: str):
-    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store."""
-    return LeaseLock(model_dir) if storage.is_url(model_dir) else Lock(model_dir)
+def lock_for(model_dir: str, committed_step: Callable[..., int | None] | None = None):
+    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store;
+    ``committed_step(read=False)``: what a lost lock says to resume from."""
+    if storage.is_url(model_dir):
+        return LeaseLock(model_dir, committed_step=committed_step)
+    return Lock(model_dir, committed_step)

@@ -58,11 +58,12 @@ from estimax.errors import ModelDirLocked, ModelDirNotWritable  # noqa: E402,F40
 class Lock:
     """The writer lock of one model_dir; ``acquire()`` raises ``ModelDirLocked`` naming the holder."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, committed_step: Callable[..., int | None] | None = None):
+        """``committed_step(read=False)``: the last step saved for good, which a lost lock says to resume from."""
         self.model_dir = storage.resolve(model_dir)
         self.path = os.path.join(self.model_dir, LOCK_FILE)
         self.held = False
-        self.committed_step: Callable[..., int | None] = lambda read=False: None  # what a lost lock says to resume from
+        self.committed_step = committed_step or (lambda read=False: None)
         self.left: tuple[int, ...] = ()  # on a disk every attempt writes a step under names of its own
         self._record: dict = {}
 

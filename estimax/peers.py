@@ -41,7 +41,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import ClassVar
 
 from estimax.errors import ConfigError, EstimaxError
 
@@ -93,12 +92,18 @@ def bound_seconds(timeout: float) -> float:
     return timeout + 3 * timeout / 10
 
 
+_this_process: PeerWatch | None = None
+"""The watch of this process's JAX group: a process-global, as JAX's group is (one per process).
+``this_process()`` is the one place that reads it."""
+
+
+def this_process() -> PeerWatch | None:
+    """This process's watch, once ``distributed.initialize`` formed a group of several processes."""
+    return _this_process
+
+
 class PeerWatch:
     """This process's part in the heartbeat: a beat (processes but 0) or the watch (process 0)."""
-
-    # JAX's group is one per process, and so is its watch: the training loop finds it here to
-    # say where its checkpoints stand.
-    _this_process: ClassVar[PeerWatch | None] = None
 
     def __init__(self, client, process: int, num_processes: int, timeout: float, host: str | None = None):
         """``host``: the address at which the others reach process 0 (the coordinator's host), if known."""
@@ -115,12 +120,13 @@ class PeerWatch:
         self._leaving = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="estimax-peers")
 
-    @classmethod
-    def of_this_process(cls) -> PeerWatch | None:
-        return cls._this_process
+    def track(self, committed_step: Callable[[], int | None]) -> None:
+        """``committed_step()`` gives the last committed checkpoint step, which a lost peer's line names."""
+        self.committed_step = committed_step
 
     def start(self) -> None:
-        PeerWatch._this_process = self
+        global _this_process
+        _this_process = self
         lifeline = self._hold_lifelines if self.process == 0 else self._watch_lifeline
         if self.process == 0:
             self._server = socket.create_server(("", 0), backlog=self.num_processes)

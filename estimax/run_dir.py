@@ -62,10 +62,11 @@ class RunDir:
         self.url = storage.resolve(model_dir)
         check_supported(self.url)
         check_not_below_file(self.url)
-        self.lock = lock_for(self.url)
-        self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True, lock=self.lock)
-        self.checkpoints.run_meta = dict(run_meta or {})
-        self.lock.committed_step = self.checkpoints.committed_step  # what a lost lease says to resume from
+        # What a lost lock says to resume from: the checkpoints' last committed step.
+        self.lock = lock_for(self.url, committed_step=lambda read=False: self.checkpoints.committed_step(read=read))
+        self.checkpoints = Checkpointer(
+            self.path(CHECKPOINTS), policy, read_only=True, lock=self.lock, run_meta=dict(run_meta or {})
+        )
         self._attempt = uuid.uuid4().hex[:8]  # this process's name for its temporary folders (fenced_commit.py)
 
     def __repr__(self) -> str:
