@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from estimax import eval_sets, precision
 from estimax import metrics as metrics_lib
-from estimax import precision
 from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
@@ -58,7 +58,7 @@ def metrics_used(hooks: Sequence[Hook], best: Best | None) -> dict[str, str]:
     """``{metric: who uses it}`` of the eval metrics that ``best`` and early stopping read."""
     used = {best.metric: f"Best(metric={best.metric!r})"} if best is not None else {}
     for hook in hooks:
-        if isinstance(hook, EarlyStopping) and hook.split == "eval":
+        if isinstance(hook, EarlyStopping) and eval_sets.is_eval_split(hook.split):
             used.setdefault(hook.metric, f"EarlyStopping(metric={hook.metric!r})")
     return used
 
