@@ -2,6 +2,9 @@
 
 import json
 import os
+import re
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from models import mlp
 from sklearn import metrics as sk
 
 import estimax as ex
+from estimax.cli import task as task_lib
 
 # The metrics come from the features; the model is evaluated untrained on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:Estimator.evaluate\\(\\) uses the initial, untrained weights")
@@ -230,3 +234,36 @@ def test_wrong_sets_are_one_config_error_each_before_anything_runs(model_dir):
     with pytest.raises(ex.ConfigError, match=r"Best\(set=\.\.\.\) has the set name 'a/b'"):
         ex.Best("accuracy", set="a/b")
     assert est.step == 0 and not os.path.exists(os.path.join(model_dir, "metrics.jsonl"))
+
+
+def test_a_task_whose_eval_input_is_a_mapping_trains_evaluates_and_predicts(tmp_path):
+    guide = open(os.path.join(ROOT, "docs", "guides", "task-modules.md")).read()
+    task = guide.split("```python\n", 1)[1].split("```", 1)[0]  # the guide's task, with two named sets
+    two_sets = "{'val': _blobs(params, seed=1), 'test': _blobs(dict(params, num_examples=45), seed=2)}"
+    task = task.replace("    return _blobs(params, seed=1)", f"    return {two_sets}")
+    assert "'test'" in task
+    (tmp_path / "sets_task.py").write_text(task)
+    model_dir = str(tmp_path / "run")
+    common = ("sets_task.py", "--model-dir", model_dir)
+    out = _estimax("train", *common, "--max-steps", "8", "--eval-every", "4", cwd=tmp_path)
+    assert re.search(r"held-out accuracy \S+ on 192 examples of val, accuracy \S+ on 45 examples of test", out)
+    results = json.loads(_estimax("evaluate", *common, cwd=tmp_path).strip().splitlines()[-1])
+    assert results["val"]["num_examples"] == 192 and results["test"]["num_examples"] == 45
+    splits = [(r["split"], r["step"]) for r in _records(model_dir) if r["split"].startswith("eval")]
+    trained = [("eval_val", 4), ("eval_test", 4), ("eval_val", 8), ("eval_test", 8)]
+    assert splits == [*trained, ("eval_val", 8), ("eval_test", 8)]  # then the evaluate command's
+    predict_input = task_lib.load(str(tmp_path / "sets_task.py")).input("predict")
+    assert len(predict_input) == 192  # with no predict_input, predict and export read the first set
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _estimax(*args, cwd) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the user's machine: real devices
+    env["PYTHONPATH"] = ROOT  # this checkout's estimax
+    result = subprocess.run(
+        [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
