@@ -109,6 +109,7 @@ def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(m
     est = make_estimator(model_dir, tensorboard=True, steps_per_loop=2, log_every_steps=2)
     final = est.train_and_evaluate(ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4)
     assert set(final) == {"val", "test"}
+    assert est.compiled().eval_step == 1  # sets of one feature shape share the evaluation program
     _check_equal(final["val"], reference(VAL))
     _check_equal(final["test"], reference(TEST))
     records = _records(model_dir)
