@@ -206,6 +206,7 @@ class Estimator:
         if eval_every_epochs is not None:
             every = eval_every_epochs * self._plan.steps_per_epoch(train_input)
         hooks = self._trainer.hooks(hooks, best, best_set)  # with early stopping where best has a patience
+        validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = self._checks.train(train_input)
         used = validation.metrics_used(hooks, best)
         sets = {name: self._checks.evaluate(input, used) for name, input in sets.items()}

@@ -63,6 +63,18 @@ def metrics_used(hooks: Sequence[Hook], best: Best | None) -> dict[str, str]:
     return used
 
 
+def check_watched_splits(hooks: Sequence[Hook], splits: list[str]) -> None:
+    """Refuses an ``EarlyStopping`` that watches a split no evaluation of the call records (it would
+    never stop): ``splits`` are the evaluation's, ``eval`` or ``eval_<name>`` per set."""
+    for hook in hooks:
+        if isinstance(hook, EarlyStopping) and hook.split not in splits:
+            raise ConfigError(
+                f"EarlyStopping(split={hook.split!r}) watches no evaluation of this call, whose evaluations are "
+                f"recorded as {splits}; expected one of them. Fix: EarlyStopping(..., split={splits[0]!r}) "
+                "(a set named 'val' is the split 'eval_val')."
+            )
+
+
 def check_metric_names(used: dict[str, str], names: list[str]) -> None:
     unknown = {m: who for m, who in used.items() if m not in names}
     if unknown:

@@ -230,6 +230,9 @@ def test_wrong_sets_are_one_config_error_each_before_anything_runs(model_dir):
         with pytest.raises(kind, match=match) as error:
             est.train_and_evaluate(train, eval_input, max_steps=4, eval_every_steps=2, best=best)
         assert "\n" not in str(error.value)
+    stopping = ex.EarlyStopping("loss")  # watches "eval", which named sets do not record
+    with pytest.raises(ex.ConfigError, match=r"EarlyStopping\(split='eval'\) watches no evaluation .*'eval_val'"):
+        est.train_and_evaluate(train, {"val": val}, max_steps=4, eval_every_steps=2, hooks=[stopping])
     with pytest.raises(ex.ConfigError, match=r"evaluate\(input=\.\.\.\)=\{\} is an empty mapping"):
         est.evaluate({})
     with pytest.raises(ex.ConfigError, match=r"Best\(set=\.\.\.\) has the set name 'a/b'"):
