@@ -10,7 +10,8 @@ state), ``serving/export.py``. The parts are built once, in
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import jax
 import optax
@@ -156,6 +157,12 @@ class Estimator:
         self._trainer.train(input, (max_steps, steps, epochs), self._trainer.hooks(hooks))
         return self
 
+    @overload
+    def train_and_evaluate(
+        self, train_input, eval_input: Mapping[str, Any], **options
+    ) -> dict[str, dict[str, float]]: ...
+    @overload
+    def train_and_evaluate(self, train_input, eval_input, **options) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
     def train_and_evaluate(
         self,
@@ -169,7 +176,7 @@ class Estimator:
         best: Best | None = None,
         hooks: Sequence[Hook] = (),
         **deprecated,
-    ) -> dict[str, float]:
+    ) -> dict[str, float] | dict[str, dict[str, float]]:
         """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation
         (``{name: results}`` for a mapping of sets).
 
@@ -223,6 +230,19 @@ class Estimator:
         return loop.last_metrics
 
     # -- evaluate and predict --------------------------------------------------
+    @overload
+    def evaluate(
+        self,
+        input: Mapping[str, Any],
+        *,
+        steps: int | None = ...,
+        checkpoint: int | str | None = ...,
+        host_metrics: Callable | None = ...,
+    ) -> dict[str, dict[str, float]]: ...
+    @overload
+    def evaluate(
+        self, input, *, steps: int | None = ..., checkpoint: int | str | None = ..., host_metrics: Callable | None = ...
+    ) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
     def evaluate(
         self,
