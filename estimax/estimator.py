@@ -305,9 +305,12 @@ class Estimator:
     ) -> dict[str, float] | None:
         """The exact metrics of ONE evaluation set on ``state`` (a ``TrainState``); ``None`` if
         ``should_stop()`` interrupted it. ``name``: the set's (``None``: the unnamed input, split
-        ``eval``); ``input``: as the ModeChecks' ``evaluate`` returned it; ``record``: also write the
-        results under the set's split (console, metrics.jsonl, TensorBoard, trackers), as ``evaluate``
-        does (training's evaluations are written by its own records instead)."""
+        ``eval``); ``input``: as ``self._checks.evaluate(input)`` returned it (a plain iterator's
+        first batch put back); ``record``: also write the results under the set's split (console,
+        metrics.jsonl, TensorBoard, trackers), as ``evaluate`` does (training's evaluations are
+        written by its own records instead)."""
+        if name is not None:
+            eval_sets.check_name(name, "the evaluation set")
         results = self._evaluator.results(
             input,
             state,
