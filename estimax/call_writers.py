@@ -73,14 +73,16 @@ class CallWriters:
         """A progress bar on a terminal (``counting.progress_bar_shows``), else nothing."""
         return [ProgressBar(self.config.train_batch_size)] if counting.progress_bar_shows(self.config.quiet) else []
 
-    def record_evaluation(self, step: int, results: dict[str, float]) -> None:
+    def record_evaluation(self, step: int, results: dict[str, float], split: str = "eval") -> None:
         """Writes an evaluation to the console, and to model_dir's files when this process may write
         there: not while another process holds its lock (a run in training keeps its files to
-        itself), nor when it is not writable; either is said, and the results are still returned."""
-        with self.run_dir.recording(f"The evaluation of step {step}") as files:
+        itself), nor when it is not writable; either is said, and the results are still returned.
+        ``split``: ``eval``, or ``eval_<name>`` for a named evaluation set (``eval_sets.split_of``)."""
+        what = f"The evaluation of step {step}" + ("" if split == "eval" else f" ({split})")
+        with self.run_dir.recording(what) as files:
             try:
                 for writer in self.writers(files):
-                    writer.write("eval", step, results)
+                    writer.write(split, step, results)
                     writer.close()
             except OSError as error:
-                logger.warning("The evaluation of step %d was not written to %s: %s", step, self.run_dir.url, error)
+                logger.warning("%s was not written to %s: %s", what, self.run_dir.url, error)

@@ -20,7 +20,7 @@ import sys
 import warnings
 from collections.abc import Mapping, Sequence
 
-from estimax import counting
+from estimax import counting, eval_sets
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.tracker_kinds import resolve as resolve_trackers
 
@@ -149,6 +149,8 @@ class Best:
       patience: stop training when the metric has not improved for this many
         evaluations; ``None``: never stop early.
       min_delta: a change smaller than this is not an improvement (for ``patience``).
+      set: the evaluation set whose ``metric`` decides, where ``eval_input`` is a mapping of
+        named sets (keyword only); ``None``: the only set (several sets must name one).
 
     ``mode=`` still works for one release (a ``DeprecationWarning``): it is ``direction=``.
     """
@@ -159,6 +161,7 @@ class Best:
     patience: int | None = None
     min_delta: float = 0.0
     _: dataclasses.KW_ONLY
+    set: str | None = None
     mode: dataclasses.InitVar[str | None] = None  # the name of ``direction`` in train_and_evaluate(mode=...)
 
     def __post_init__(self, mode: str | None):
@@ -179,6 +182,8 @@ class Best:
             raise ConfigError(f"Best(direction={self.direction!r}); expected 'max' or 'min'.")
         if self.patience is not None:
             _check_positive("Best", "patience", self.patience)
+        if self.set is not None:
+            eval_sets.check_name(self.set, "Best(set=...)")
 
 
 def _direction_of(metric: str) -> str:

@@ -9,12 +9,13 @@ state), ``serving/export.py``. The parts are built once, in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import jax
 import optax
 
-from estimax import assembly, calls, validation
+from estimax import assembly, calls, eval_sets, validation
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax.config import Best, RunConfig
@@ -152,6 +153,12 @@ class Estimator:
         self._trainer.train(input, (max_steps, steps, epochs), self._trainer.hooks(hooks))
         return self
 
+    @overload
+    def train_and_evaluate(
+        self, train_input, eval_input: Mapping[str, Any], **options
+    ) -> dict[str, dict[str, float]]: ...
+    @overload
+    def train_and_evaluate(self, train_input, eval_input, **options) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
     def train_and_evaluate(
         self,
@@ -165,8 +172,9 @@ class Estimator:
         best: Best | None = None,
         hooks: Sequence[Hook] = (),
         **deprecated,
-    ) -> dict[str, float]:
-        """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation.
+    ) -> dict[str, float] | dict[str, dict[str, float]]:
+        """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation
+        (``{name: results}`` for a mapping of sets).
 
         Evaluates when a multiple of ``eval_every_steps`` (or of
         ``eval_every_epochs`` epochs) is crossed and at the end, without
@@ -174,7 +182,9 @@ class Estimator:
 
         Args:
             train_input: the training input (``estimax.data``).
-            eval_input: the held-out input, evaluated exactly each time.
+            eval_input: the held-out input, evaluated exactly each time; or a mapping of set
+                names to inputs (``{"val": ..., "test": ...}``), each evaluated exactly and
+                recorded under its name (the split ``eval_<name>``).
             max_steps: the step to train until, counted from step 0.
             epochs: train until this many epochs of ``train_input`` are done.
             eval_every_steps: evaluate when a multiple of this step is crossed.
@@ -182,7 +192,7 @@ class Estimator:
             best: names the metric that decides which evaluation is the best
                 (``estimax.Best``): its checkpoint is kept in ``<model_dir>/best``, and
                 with ``patience`` training stops when it has not improved for that many
-                evaluations.
+                evaluations. With several sets, ``Best(set=...)`` names the one that decides.
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
             **deprecated: ``best_metric=``, ``mode=`` and ``patience=`` still work for
                 one release (a ``DeprecationWarning``): they become ``best=Best(...)``.
@@ -193,21 +203,42 @@ class Estimator:
                 f"received {eval_every_steps=}, {eval_every_epochs=}."
             )
         best = config_lib.best_from(best, deprecated)
+        sets = eval_sets.named(eval_input)
+        best_set = eval_sets.deciding(best, sets)
         every = eval_every_steps
         if eval_every_epochs is not None:
             every = eval_every_epochs * self._plan.steps_per_epoch(train_input)
-        hooks = self._trainer.hooks(hooks, best)  # with early stopping where best has a patience
+        hooks = self._trainer.hooks(hooks, best, best_set)  # with early stopping where best has a patience
+        validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = self._checks.train(train_input)
-        eval_input = self._checks.evaluate(eval_input, validation.metrics_used(hooks, best))
+        used = validation.metrics_used(hooks, best)
+        sets = {name: self._checks.evaluate(input, used) for name, input in sets.items()}
         evaluation = self._trainer.evaluation(
-            lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop), every, best
+            lambda name, state, should_stop: self._evaluate_set(name, sets[name], state, should_stop=should_stop),
+            every,
+            best,
+            tuple(sets),
+            best_set,
         )
         loop = self._trainer.train(train_input, (max_steps, None, epochs), hooks, evaluation)
         if loop is None:  # nothing left to train: the current state's evaluation
-            return self.evaluate(eval_input)
+            return self.evaluate(eval_sets.returned(sets))
         return loop.last_metrics
 
     # -- evaluate and predict --------------------------------------------------
+    @overload
+    def evaluate(
+        self,
+        input: Mapping[str, Any],
+        *,
+        steps: int | None = ...,
+        checkpoint: int | str | None = ...,
+        host_metrics: Callable | None = ...,
+    ) -> dict[str, dict[str, float]]: ...
+    @overload
+    def evaluate(
+        self, input, *, steps: int | None = ..., checkpoint: int | str | None = ..., host_metrics: Callable | None = ...
+    ) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
     def evaluate(
         self,
@@ -216,43 +247,78 @@ class Estimator:
         steps: int | None = None,
         checkpoint: int | str | None = None,
         host_metrics: Callable | None = None,
-    ) -> dict[str, float]:
+    ) -> dict[str, float] | dict[str, dict[str, float]]:
         """Exact loss and metrics over the whole input (or its first ``steps`` batches).
 
         The last partial batch is padded and masked: every example counts
         once.
 
         Args:
-            input: the input to evaluate (``estimax.data``).
-            steps: evaluate only the first ``steps`` batches.
+            input: the input to evaluate (``estimax.data``), or a mapping of set names to
+                inputs (``{"val": ..., "test": ...}``): each evaluated exactly and recorded
+                under its name (the split ``eval_<name>``).
+            steps: evaluate only the first ``steps`` batches (of each set).
             checkpoint: a step of model_dir or a checkpoint path; default: the current state.
             host_metrics: this call's, instead of the Estimator's.
 
         Returns:
             The results (``"<metric>/<field>"`` for metrics of several values) and
-            ``num_examples``.
+            ``num_examples``; for a mapping, ``{name: results}``.
         """
         host_metrics_lib.check(host_metrics)
-        input = self._checks.evaluate(input)
+        sets = eval_sets.named(input, "evaluate(input=...)")
+        sets = {name: self._checks.evaluate(one) for name, one in sets.items()}  # all checked before any runs
         state = self._at(checkpoint, "evaluate")
-        results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
-        self._parts.writers.record_evaluation(int(jax.device_get(state.step)), results)
-        return results
+        results = {
+            name: self._evaluate_set(name, one, state, steps=steps, host_metrics=host_metrics, record=True)
+            for name, one in sets.items()
+        }
+        return eval_sets.returned(results)
 
     @calls.one_thread_at_a_time
     def evaluate_states(
         self, input, *, steps: int | None = None, checkpoint: int | str | None = None
-    ) -> dict[str, Metric]:
+    ) -> dict[str, Metric] | dict[str, dict[str, Metric]]:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
-        e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``)."""
-        input = self._checks.evaluate(input)
+        e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``);
+        for a mapping of named sets, ``{set name: states}``."""
+        sets = eval_sets.named(input, "evaluate_states(input=...)")
+        sets = {name: self._checks.evaluate(one) for name, one in sets.items()}
         state = self._at(checkpoint, "evaluate")
-        return self._evaluator.states(input, state, steps=steps)[0]
+        states = {name: self._evaluator.states(one, state, steps=steps, name=name)[0] for name, one in sets.items()}
+        return eval_sets.returned(states)
 
-    def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
-        return self._evaluator.results(
-            input, state, steps=steps, should_stop=should_stop, host_metrics=host_metrics or self._host_metrics
+    def _evaluate_set(
+        self,
+        name: str | None,
+        input,
+        state,
+        *,
+        steps: int | None = None,
+        should_stop: Callable | None = None,
+        host_metrics: Callable | None = None,
+        record: bool = False,
+    ) -> dict[str, float] | None:
+        """The exact metrics of ONE evaluation set on ``state`` (a ``TrainState``); ``None`` if
+        ``should_stop()`` interrupted it. ``name``: the set's (``None``: the unnamed input, split
+        ``eval``); ``input``: as ``self._checks.evaluate(input)`` returned it (a plain iterator's
+        first batch put back); ``record``: also write the results under the set's split (console,
+        metrics.jsonl, TensorBoard, trackers), as ``evaluate`` does (training's evaluations are
+        written by its own records instead)."""
+        if name is not None:
+            eval_sets.check_name(name, "the evaluation set")
+        results = self._evaluator.results(
+            input,
+            state,
+            steps=steps,
+            should_stop=should_stop,
+            host_metrics=host_metrics or self._host_metrics,
+            name=name,
         )
+        if record and results is not None:
+            step = int(jax.device_get(state.step))  # host sync: the step of the state evaluated
+            self._parts.writers.record_evaluation(step, results, eval_sets.split_of(name))
+        return results
 
     @calls.one_thread_at_a_time
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from estimax import counting
+from estimax import counting, eval_sets
 from estimax import host_metrics as host_metrics_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
@@ -98,11 +98,13 @@ class Evaluator:
         return self._runner
 
     def results(
-        self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None
+        self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None, name=None
     ) -> dict[str, float] | None:
         """The metrics of ``state`` on ``input`` (``num_examples`` last); ``None`` if ``should_stop()``
-        interrupted it."""
-        totals, rows = self.states(input, state, steps=steps, should_stop=should_stop, rows=bool(host_metrics))
+        interrupted it. ``name``: the evaluation set's, which the progress bar and errors show."""
+        totals, rows = self.states(
+            input, state, steps=steps, should_stop=should_stop, rows=bool(host_metrics), name=name
+        )
         if totals is None:
             return None
         results = {}
@@ -112,15 +114,15 @@ class Evaluator:
             results.update(host_metrics_lib.results(_named_host_metrics(host_metrics), rows.rows(), results))
         return results
 
-    def states(self, input, state, *, steps=None, should_stop=None, rows: bool = False):
+    def states(self, input, state, *, steps=None, should_stop=None, rows: bool = False, name=None):
         """``(metric states by name, OutputRows or None)``; ``(None, None)`` if ``should_stop()``
-        interrupted it."""
+        interrupted it. ``name``: the evaluation set's (``None``: the one unnamed input)."""
         device_batches = self.plan.eval_batches(input, EVAL)
         if steps is not None:
             device_batches = itertools.islice(device_batches, steps)
         outputs = host_metrics_lib.OutputRows() if rows else None
         with feed.Prefetch(device_batches) as device_batches:
-            bar = self._bar(input, self.plan.global_batch(EVAL), steps)
+            bar = self._bar(input, self.plan.global_batch(EVAL), steps, eval_sets.split_of(name))
             try:
                 totals = self.runner.totals(state, bar.wrap(device_batches), should_stop, outputs)
             finally:
@@ -128,8 +130,9 @@ class Evaluator:
         if totals is None:
             if should_stop is not None and should_stop():
                 return None, None
+            what = "Evaluation input" if name is None else f"Evaluation set {name!r}"
             raise InputError(
-                "Evaluation input yielded no batches; expected at least one example. "
+                f"{what} yielded no batches; expected at least one example. "
                 "Fix: pass an evaluation input that is not empty."
             )
         return totals, outputs
@@ -149,7 +152,7 @@ class Evaluator:
         if pending is not None:
             yield from rows(*pending)
 
-    def _bar(self, input, batch_size: int, steps: int | None) -> EvalProgress:
+    def _bar(self, input, batch_size: int, steps: int | None, desc: str) -> EvalProgress:
         shown = counting.progress_bar_shows(self.quiet)
         total = -(-len(input) // batch_size) if isinstance(input, SizedSource) else None
-        return EvalProgress(min(filter(None, (total, steps)), default=None), shown)
+        return EvalProgress(min(filter(None, (total, steps)), default=None), shown, desc)

@@ -168,7 +168,7 @@ class EarlyStopping(Hook):
         direction: ``"min"`` (lower is better) or ``"max"``.
         patience: how many evaluations without improvement stop training.
         min_delta: a change smaller than this is not an improvement.
-        split: the evaluation split whose ``metric`` is watched.
+        split: the evaluation split whose ``metric`` is watched (``eval_<name>`` for a named set).
         mode: ``direction``'s old name, kept for one release (a ``DeprecationWarning``).
     """
 

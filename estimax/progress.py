@@ -91,13 +91,14 @@ def _logs_above_bars() -> contextlib.ExitStack:
 
 
 class EvalProgress:
-    """A ``tqdm`` bar over evaluation batches when ``shown``; otherwise it passes them through."""
+    """A ``tqdm`` bar over evaluation batches when ``shown``; otherwise it passes them through.
+    ``desc``: what the bar is labelled with (``eval``, or the evaluation set's name)."""
 
-    def __init__(self, total: int | None, shown: bool):
+    def __init__(self, total: int | None, shown: bool, desc: str = "eval"):
         self._bar = None
         tqdm = _tqdm(nested=True) if shown else None
         if tqdm is not None:
-            self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc="eval", leave=False)
+            self._bar = tqdm(total=total, unit="batch", dynamic_ncols=True, desc=desc, leave=False)
 
     def wrap(self, batches):
         for batch in batches:

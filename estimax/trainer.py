@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from estimax import counting, resize, validation
+from estimax import counting, eval_sets, resize, validation
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax.call_writers import CallWriters
@@ -56,16 +56,21 @@ class Trainer:
         self.param_names = leaf_names(abstract_state.params)
         self.runner: TrainRunner | None = None  # compiled at the first call, kept for the next ones
 
-    def hooks(self, hooks: Sequence[Hook], best: Best | None = None) -> list[Hook]:
-        """The user's hooks, checked, then early stopping where ``best`` has a patience."""
+    def hooks(self, hooks: Sequence[Hook], best: Best | None = None, best_set: str | None = None) -> list[Hook]:
+        """The user's hooks, checked, then early stopping where ``best`` has a patience (watching the
+        evaluation set ``best_set``; ``None``: the unnamed input)."""
         hooks = validation.check_hooks(hooks)
         if best is not None and best.patience is not None:
-            hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta))
+            split = eval_sets.split_of(best_set)
+            hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta, split))
         return hooks
 
-    def evaluation(self, run: Callable, every_steps: int, best: Best | None) -> Evaluation:
-        """Evaluations by ``run(state, should_stop)`` during training; the best one's checkpoint kept
-        in ``<model_dir>/best`` where ``best`` asks for it."""
+    def evaluation(
+        self, run: Callable, every_steps: int, best: Best | None, sets: tuple = (None,), best_set: str | None = None
+    ) -> Evaluation:
+        """Evaluations by ``run(name, state, should_stop)`` of each set of ``sets`` during training; the
+        best one's checkpoint, by ``best``'s metric of the set ``best_set``, kept in ``<model_dir>/best``
+        where ``best`` asks for it."""
         keep = best is not None and best.keep_checkpoint
         _note_cadence(every_steps, self.config.steps_per_loop)
         return Evaluation(
@@ -73,6 +78,8 @@ class Trainer:
             every_steps=every_steps,
             best=self.run_dir.best(best.metric, best.direction) if keep else None,
             best_metric=best.metric if keep else None,
+            sets=tuple(sets),
+            best_set=best_set,
         )
 
     def train(

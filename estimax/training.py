@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from estimax import counting
+from estimax import counting, eval_sets
 from estimax import metrics as metrics_lib
 from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
@@ -38,15 +38,18 @@ logger = logging.getLogger("estimax")
 class Evaluation:
     """Evaluations during training: when a multiple of ``every_steps`` is crossed, and at the end.
 
-    ``run(state, should_stop)`` returns the metrics, or ``None`` when
-    ``should_stop()`` interrupted it. ``best`` keeps the best checkpoint by
-    ``best_metric``.
+    ``run(name, state, should_stop)`` returns the metrics of the evaluation set ``name``, or
+    ``None`` when ``should_stop()`` interrupted it. ``sets``: the names evaluated each time, in
+    order (``(None,)``: one unnamed input, recorded as ``eval``). ``best`` keeps the best
+    checkpoint by ``best_metric`` of the set ``best_set``.
     """
 
     run: Callable
     every_steps: int | None
     best: object | None = None
     best_metric: str | None = None
+    sets: tuple[str | None, ...] = (None,)
+    best_set: str | None = None
 
 
 @dataclasses.dataclass
@@ -111,12 +114,17 @@ class TrainingLoop:
         self.exact_stops = any(map(may_stop, self.hooks))
         self.seconds = dict.fromkeys(("compile", "input_wait", "checkpoint", "evaluation"), 0.0)
         self.laps = Laps()
-        self.last_metrics: dict[str, float] = {}
+        self.last_results: dict = {}  # of the last evaluation: {set name (None: the unnamed input): metrics}
         self.last_eval_step: int | None = None
         self.stopped = False  # by a hook (early stopping)
         self._summaries = Summaries()  # the call's, from ``run``'s RunInfo
         self._stop_reason = ""
         self._unsaved_note = ""  # the last line's note of a call that ended without saving its step
+
+    @property
+    def last_metrics(self):
+        """The last evaluation's results: one dict for an unnamed input, ``{name: results}`` for sets."""
+        return eval_sets.returned(self.last_results) if self.last_results else {}
 
     def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
         """Trains from ``info.start_step`` over ``chunks`` (a ``feed.Prefetch``); returns ``(state, step)``.
@@ -314,32 +322,39 @@ class TrainingLoop:
         if loop is None or (final and self.last_eval_step == loop.step_after):
             return False
         self._checked(loop)
-        timer = time.perf_counter()
-        metrics = evaluation.run(state, lambda: preemption.signal_name is not None)
-        elapsed = time.perf_counter() - timer
-        self.seconds["evaluation"] += elapsed
-        self.laps.pause(elapsed)
-        if metrics is None:  # interrupted by a signal: the loop saves and exits
-            return True
-        self.last_metrics, self.last_eval_step = metrics, loop.step_after
-        record = EvalRecord(
-            loop.step_after,
-            "eval",
-            metrics,
-            elapsed,
-            model=self._model(state, loop.step_after),
-            summaries=self._summaries.at(loop.step_after, "eval"),
-        )
-        stopping = [hook for hook in self.hooks if hook.after_eval(record)]
+        results, records = {}, []
+        for name in evaluation.sets:  # each set exactly, one after the other; hooks see them all after
+            timer = time.perf_counter()
+            metrics = evaluation.run(name, state, lambda: preemption.signal_name is not None)
+            elapsed = time.perf_counter() - timer
+            self.seconds["evaluation"] += elapsed
+            self.laps.pause(elapsed)
+            if metrics is None:  # interrupted by a signal: the loop saves and exits
+                return True
+            results[name] = metrics
+            split = eval_sets.split_of(name)
+            records.append(
+                EvalRecord(
+                    loop.step_after,
+                    split,
+                    metrics,
+                    elapsed,
+                    model=self._model(state, loop.step_after),
+                    summaries=self._summaries.at(loop.step_after, split),
+                )
+            )
+        self.last_results, self.last_eval_step = results, loop.step_after
+        # Every hook sees every set's record (a list, not a short-circuit); one that asks to stop is named once.
+        stopping = [hook for hook in self.hooks if any([hook.after_eval(record) for record in records])]
         stop = self._asked_to_stop(stopping, "after_eval", loop.step_after)
-        self.saves.save_best(loop.step_after, state, loop.input_state, metrics)
+        self.saves.save_best(loop.step_after, state, loop.input_state, results.get(evaluation.best_set))
         return stop and not final
 
     def _end(self, step: int, wall: float) -> None:
         seconds = dict(self.seconds)
         seconds["device"] = max(wall - sum(seconds.values()), 0.0)
         seconds["total"] = wall
-        summary = Summary(step, seconds, self.last_metrics)
+        summary = Summary(step, seconds, eval_sets.flat(self.last_results) if self.last_results else {})
         logger.info(
             "Done at step %d in %.1f s: %s%s",
             step,

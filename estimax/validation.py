@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from estimax import eval_sets, precision
 from estimax import metrics as metrics_lib
-from estimax import precision
 from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
@@ -58,9 +58,21 @@ def metrics_used(hooks: Sequence[Hook], best: Best | None) -> dict[str, str]:
     """``{metric: who uses it}`` of the eval metrics that ``best`` and early stopping read."""
     used = {best.metric: f"Best(metric={best.metric!r})"} if best is not None else {}
     for hook in hooks:
-        if isinstance(hook, EarlyStopping) and hook.split == "eval":
+        if isinstance(hook, EarlyStopping) and eval_sets.is_eval_split(hook.split):
             used.setdefault(hook.metric, f"EarlyStopping(metric={hook.metric!r})")
     return used
+
+
+def check_watched_splits(hooks: Sequence[Hook], splits: list[str]) -> None:
+    """Refuses an ``EarlyStopping`` that watches a split no evaluation of the call records (it would
+    never stop): ``splits`` are the evaluation's, ``eval`` or ``eval_<name>`` per set."""
+    for hook in hooks:
+        if isinstance(hook, EarlyStopping) and hook.split not in splits:
+            raise ConfigError(
+                f"EarlyStopping(split={hook.split!r}) watches no evaluation of this call, whose evaluations are "
+                f"recorded as {splits}; expected one of them. Fix: EarlyStopping(..., split={splits[0]!r}) "
+                "(a set named 'val' is the split 'eval_val')."
+            )
 
 
 def check_metric_names(used: dict[str, str], names: list[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from estimax import events, storage
+from estimax import eval_sets, events, storage
 from estimax.errors import LeaseLostError
 
 logger = logging.getLogger("estimax")
@@ -34,7 +34,8 @@ class Writer(Protocol):
 
 
 class JsonlWriter:
-    """``{"split": ..., "step": ..., **values}``, one JSON object per line of ``metrics.jsonl``.
+    """``{"split": ..., "step": ..., **values}``, one JSON object per line of ``metrics.jsonl``; the
+    records of a named evaluation set (split ``eval_<name>``) also carry ``"set": name``.
 
     On disk every record is appended and flushed at once (the file stays open
     until ``close``). On an object store the object is rewritten whole (it cannot
@@ -90,7 +91,8 @@ class JsonlWriter:
         if self._lines is None:
             held = self._open()
             self._lines = [held] if self._on_store else []
-        line = json.dumps({"split": split, "step": step, **values}) + "\n"
+        named = {"set": name} if (name := eval_sets.set_of(split)) is not None else {}
+        line = json.dumps({"split": split, **named, "step": step, **values}) + "\n"
         if not self._on_store:
             if self._file is None:
                 storage.makedirs(storage.parent(self.path))

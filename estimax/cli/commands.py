@@ -127,13 +127,20 @@ def train(args, task, estimator, first: bool) -> int:
         results = estimator.train_and_evaluate(train_input, eval_input, eval_every_steps=eval_every, **length)
     else:
         results = estimator.train(train_input, **length).evaluate(eval_input)
-    name = next((n for n in ("accuracy", "bits_per_byte") if n in results), "loss")
     if first:
-        print(
-            f"held-out {name} {results[name]:.4f} on {int(results['num_examples'])} examples "
-            f"after {estimator.step} steps; {time.perf_counter() - start:.1f} s"
-        )
+        print(f"held-out {_held_out(results)} after {estimator.step} steps; {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def _held_out(results: dict) -> str:
+    """``accuracy 0.9700 on 360 examples``, or for named evaluation sets each set's, named."""
+    named = results if isinstance(next(iter(results.values())), dict) else {None: results}
+    parts = []
+    for set_name, values in named.items():
+        name = next((n for n in ("accuracy", "bits_per_byte") if n in values), "loss")
+        where = "" if set_name is None else f" of {set_name}"
+        parts.append(f"{name} {values[name]:.4f} on {int(values['num_examples'])} examples{where}")
+    return ", ".join(parts)
 
 
 def _max_steps(args, task) -> int:

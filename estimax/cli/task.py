@@ -9,12 +9,15 @@ that defines these names (pinned: programs outside this repository rely on them)
 - ``optimizer``: an optax ``GradientTransformation``, or a function of ``params``
   returning one.
 - ``train_input(params)`` and ``eval_input(params)``: the inputs, as
-  ``Estimator.train`` and ``Estimator.evaluate`` take them.
+  ``Estimator.train`` and ``Estimator.evaluate`` take them; ``eval_input`` may return a
+  mapping of set names to inputs (``{"val": ..., "test": ...}``): each set is evaluated and
+  recorded under its name.
 - ``params``: a dict of hyper-parameter defaults (``--set name=value`` overrides them).
 
 and optionally:
 
-- ``predict_input(params)``: the input of ``predict`` (default: ``eval_input``).
+- ``predict_input(params)``: the input of ``predict`` (default: ``eval_input``, the first set
+  of a mapping).
 - ``prediction_record(row) -> dict``: one prediction as JSON values (default:
   arrays as lists).
 - ``DEFAULTS``: the run settings the command line uses unless given, keyed by
@@ -68,9 +71,13 @@ class Task:
         return getattr(self.module, "DEFAULTS", {})
 
     def input(self, kind: str):
-        """The input of ``kind`` ("train", "eval" or "predict"), built from ``params``."""
+        """The input of ``kind`` ("train", "eval" or "predict"), built from ``params``: for "eval", one
+        input or a mapping of named sets; a "predict" that falls back to such a mapping, its first set."""
         fn = getattr(self.module, f"{kind}_input", None) or self.module.eval_input
-        return fn(dict(self.params))
+        made = fn(dict(self.params))
+        if kind != "eval" and fn is self.module.eval_input and isinstance(made, Mapping) and made:
+            return next(iter(made.values()))
+        return made
 
     def optimizer(self):
         optimizer = self.module.optimizer
