@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import optax
 
-from estimax import accumulation, compile_cache, resize, run_setup, validation
+from estimax import accumulation, compile_cache, freezing, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
@@ -49,18 +49,22 @@ class Parts:
     writers: CallWriters
     trainer: Trainer
     state_shapes: Callable  # () -> the TrainState as ShapeDtypeStructs with their shardings: nothing allocated
+    trainable: freezing.FreezePlan | None = None  # what trains at each phase of RunConfig(freeze=...)
 
 
 def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Parts:
     """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start)``; the
     arguments are checked already."""
-    if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
-        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
     compile_cache.enable(config.compilation_cache)
     mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
-    setup = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(mesh))
     with jax.set_mesh(mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
         adapter = resolve_model(model, params, config.seed)
+        # Frozen parameters: a zero update, no optimizer state, no weight gradient (freezing.py).
+        adapter, optimizer, trainable = freezing.apply(config.freeze, adapter, optimizer)
+    if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
+    setup = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(mesh))
+    with jax.set_mesh(mesh):
         core = Core(
             adapter,
             model_fn,
@@ -93,8 +97,10 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         writers=writers,
         trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
         state_shapes=shapes,
+        trainable=trainable,
     )
     ensure_console()
+    freezing.report(trainable)
     return parts
 
 

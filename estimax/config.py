@@ -256,6 +256,12 @@ class RunConfig:
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
+      freeze: parameters that do not train: ``[regex, ...]`` over ``/``-joined paths
+        (full match, as ``sharding_rules``), or a schedule ``{step: [regex, ...]}``
+        whose entry applies from that step until the next one (``{0: ["embed/.*"],
+        500: []}`` unfreezes the embedding at step 500). Frozen parameters keep their
+        values bit for bit and have no optimizer state (``estimax/freezing.py``); a
+        rule that matches nothing is an error.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -281,6 +287,7 @@ class RunConfig:
     trackers: tuple = ()
     compilation_cache: str | os.PathLike | None = None
     tokens_per_example: int | None = None
+    freeze: tuple = ()
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -332,6 +339,7 @@ class RunConfig:
         if self.fsdp_min_bytes < 0:
             raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
+        object.__setattr__(self, "freeze", check_freeze(self.freeze))
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
@@ -430,6 +438,44 @@ def check_rules(rules) -> tuple[tuple[str, tuple], ...]:
             )
         checked.append((pattern, spec))
     return tuple(checked)
+
+
+def check_freeze(freeze) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    """``RunConfig(freeze=...)`` as phases ``((start_step, (regex, ...)), ...)`` sorted, the first at
+    step 0; ``()``: nothing frozen. A list of regexes is one phase from step 0."""
+    example = "e.g. [r'embed/.*'] or {0: [r'blocks/.*'], 500: []}"
+    if isinstance(freeze, Mapping):
+        entries = list(freeze.items())
+    elif isinstance(freeze, Sequence) and not isinstance(freeze, str | bytes):
+        if all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], int) for e in freeze) and freeze:
+            entries = list(freeze)  # the checked form again
+        else:
+            entries = [(0, freeze)] if freeze else []
+    else:
+        raise ConfigTypeError(
+            f"RunConfig(freeze={freeze!r}) is of type {type(freeze).__name__}; expected a list of regexes or a "
+            f"dict step -> list of regexes, {example}."
+        )
+    phases = []
+    for start, rules in entries:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ConfigError(f"RunConfig(freeze=...) has step {start!r}; expected a step >= 0, {example}.")
+        if isinstance(rules, str) or not isinstance(rules, Sequence):
+            raise ConfigTypeError(
+                f"RunConfig(freeze=...) gives step {start} {rules!r}; expected a list of regexes, {example}."
+            )
+        for rule in rules:
+            if not isinstance(rule, str):
+                raise ConfigTypeError(f"RunConfig(freeze=...) has rule {rule!r}; expected a regex string, {example}.")
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise ConfigError(f"RunConfig(freeze=...): {rule!r} is not a regex ({error}).") from None
+        phases.append((start, tuple(rules)))
+    phases.sort()
+    if phases and phases[0][0] != 0:
+        phases.insert(0, (0, ()))  # nothing frozen before the first entry
+    return tuple(phases)
 
 
 def _is_spec_entry(entry) -> bool:

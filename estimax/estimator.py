@@ -117,6 +117,11 @@ class Estimator:
         ``bytes_per_device`` and the rule that placed it, and per-device totals (printable)."""
         return self.layout.plan
 
+    def freeze_plan(self):
+        """What trains: per phase of ``RunConfig(freeze=...)``, the counts and bytes of parameters
+        trained and frozen, and the frozen paths (printable); ``None`` when nothing is frozen."""
+        return self._parts.trainable
+
     def model(self, checkpoint: int | str | None = None):
         """The model in its framework's form (an NNX or bound Linen module, the Keras model,
         a bound function), in eval behaviour, for interactive use.
