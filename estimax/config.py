@@ -194,6 +194,47 @@ def _direction_of(metric: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoRA:
+    """Low-rank adapters (LoRA) on linear layers: only the adapters train (``estimax/lora.py``).
+
+    Each ``flax.nnx.Linear`` whose module path fully matches a regex of ``layers``
+    (``blocks/0/attn/query``) gets ``lora_a`` (in x rank) and ``lora_b`` (rank x out,
+    zeros at first); its output becomes ``x @ kernel + x @ lora_a @ lora_b * alpha / rank``.
+    Every other parameter is frozen.
+
+    Attributes:
+      layers: regexes over the paths of ``nnx.Linear`` modules; each must match one.
+      rank: the adapters' inner dimension.
+      alpha: the scale numerator; the adapter output is scaled by ``alpha / rank``.
+      adapters: an adapter file (``Estimator.save_adapters``) to start from instead of
+        fresh adapters, when the run has no checkpoint of its own.
+    """
+
+    layers: tuple = ()
+    rank: int = 8
+    alpha: float = 16.0
+    adapters: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        example = r"e.g. LoRA(layers=[r'blocks/\d+/attn/(query|value)'], rank=8)"
+        layers = self.layers
+        if isinstance(layers, str) or not isinstance(layers, Sequence) or not layers:
+            raise ConfigTypeError(f"LoRA(layers={layers!r}); expected a non-empty list of regexes, {example}.")
+        for rule in layers:
+            if not isinstance(rule, str):
+                raise ConfigTypeError(f"LoRA(layers=...) has {rule!r}; expected regex strings, {example}.")
+            try:
+                re.compile(rule)
+            except re.error as error:
+                raise ConfigError(f"LoRA(layers=...): {rule!r} is not a regex ({error}).") from None
+        object.__setattr__(self, "layers", tuple(layers))
+        _set(self, "rank", _check_positive("LoRA", "rank", self.rank))
+        _set(self, "alpha", _check_number("LoRA", "alpha", self.alpha))
+        if self.adapters is not None:
+            object.__setattr__(self, "adapters", os.fspath(self.adapters))
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Settings of a run.
 
@@ -262,6 +303,8 @@ class RunConfig:
         500: []}`` unfreezes the embedding at step 500). Frozen parameters keep their
         values bit for bit and have no optimizer state (``estimax/freezing.py``); a
         rule that matches nothing is an error.
+      lora: ``LoRA(layers=[regex, ...], rank=8, alpha=16)``: low-rank adapters on
+        those linear layers of an NNX model; only the adapters train.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -288,6 +331,7 @@ class RunConfig:
     compilation_cache: str | os.PathLike | None = None
     tokens_per_example: int | None = None
     freeze: tuple = ()
+    lora: LoRA | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -340,6 +384,11 @@ class RunConfig:
             raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
         object.__setattr__(self, "freeze", check_freeze(self.freeze))
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            raise ConfigTypeError(
+                f"RunConfig(lora={self.lora!r}) is of type {type(self.lora).__name__}; expected "
+                r"ex.LoRA(layers=[r'blocks/\d+/attn/(query|value)'], rank=8) or None."
+            )
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))

@@ -18,6 +18,7 @@ import optax
 from estimax import assembly, calls, validation
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
+from estimax import lora as lora_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
@@ -307,11 +308,26 @@ class Estimator:
             raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
         features = self._plan.export_features(example_features)
         state = self._at(checkpoint, "export")
+        core = self._parts.core
+        if self._parts.merged is not None:  # LoRA: one artifact, the adapters merged into the base
+            core, state = self._parts.merged(state)
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 
-            return export_tf.export(self._parts.core, state, path, features)
-        return export_lib.export(self._parts.core, state, path, features)
+            return export_tf.export(core, state, path, features)
+        return export_lib.export(core, state, path, features)
+
+    def save_adapters(self, path: str, *, checkpoint: int | str | None = None) -> str:
+        """Writes the LoRA adapters alone to ``path`` (``.npz``; local or a store URL); returns it.
+
+        Start another run from them with ``RunConfig(lora=ex.LoRA(..., adapters=path))`` (its base
+        from its own initialisation or a ``WarmStart``); ``WarmStart(path)`` also reads the file.
+
+        Args:
+            path: the file to write, ending in ``.npz``.
+            checkpoint: a step of model_dir or a checkpoint path; default: the current state.
+        """
+        return lora_lib.save(self._at(checkpoint, "save_adapters").params, path)
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -63,6 +63,7 @@ class FreezePlan:
 
     phases: tuple[PhaseRow, ...]
     frozen_paths: tuple[tuple[str, ...], ...]
+    also_frozen_by: str = ""  # what freezes parameters besides the rules, e.g. "LoRA (the base)"
 
     def __str__(self) -> str:
         lines = []
@@ -70,11 +71,15 @@ class FreezePlan:
             lines.append(
                 f"from step {row.start}: training {row.trained} parameter arrays ({row.trained_elements:,} values, "
                 f"{_bytes(row.trained_bytes)}), frozen {row.frozen} ({row.frozen_elements:,} values, "
-                f"{_bytes(row.frozen_bytes)})" + (f" by {list(row.rules)}" if row.rules else "")
+                f"{_bytes(row.frozen_bytes)})" + self._by(row.rules)
             )
             lines += [f"  frozen  {p}" for p in paths[:20]]
             lines += [f"  ... {len(paths) - 20} more"] if len(paths) > 20 else []
         return "\n".join(lines)
+
+    def _by(self, rules: tuple[str, ...]) -> str:
+        named = ([f"{list(rules)}"] if rules else []) + ([self.also_frozen_by] if self.also_frozen_by else [])
+        return f" by {' and '.join(named)}" if named else ""
 
 
 class Freezing:
@@ -84,15 +89,21 @@ class Freezing:
       phases: ``((start_step, (regex, ...)), ...)`` sorted by start, the first at 0
         (``config.check_freeze`` gives this form).
       abstract_params: the parameters' shapes (names are read from them).
+      also_frozen: ``path -> bool``: parameters frozen in every phase besides the rules'
+        (LoRA's base); ``also_frozen_by`` names it in the plan.
     """
 
-    def __init__(self, phases, abstract_params):
-        self.phases = tuple((int(s), tuple(r)) for s, r in phases)
+    def __init__(self, phases, abstract_params, also_frozen=None, also_frozen_by: str = ""):
+        self.phases = tuple((int(s), tuple(r)) for s, r in phases) or ((0, ()),)
+        self.also_frozen_by = also_frozen_by
         self.names = leaf_names(abstract_params)
         self._leaves = jax.tree.leaves(abstract_params)
         self._check_rules_match()
         # frozen[i][j]: parameter j is frozen in phase i
-        self._frozen = [[_matches(rules, n) for n in self.names] for _, rules in self.phases]
+        also = [bool(also_frozen and also_frozen(n)) for n in self.names]
+        self._frozen = [
+            [_matches(rules, n) or a for n, a in zip(self.names, also, strict=True)] for _, rules in self.phases
+        ]
         self.labels = [self._label([f[j] for f in self._frozen]) for j in range(len(self.names))]
 
     @property
@@ -179,7 +190,7 @@ class Freezing:
                 )
             )
             paths.append(tuple(n for n, f in zip(self.names, frozen, strict=True) if f))
-        return FreezePlan(tuple(rows), tuple(paths))
+        return FreezePlan(tuple(rows), tuple(paths), self.also_frozen_by)
 
 
 class FrozenAdapter:
@@ -205,14 +216,14 @@ def _matches(rules: tuple[str, ...], name: str) -> bool:
     return any(re.fullmatch(r, name) for r in rules)
 
 
-def apply(phases, adapter, optimizer: optax.GradientTransformation):
-    """``(adapter, optimizer, plan)`` of a run with freeze ``phases`` (``config.check_freeze``'s form):
-    unchanged and ``None`` without a rule. Raises a ``ConfigError`` for a rule that matches nothing,
-    before anything compiles."""
-    if not any(rules for _, rules in phases):
+def apply(phases, adapter, optimizer: optax.GradientTransformation, also_frozen=None, also_frozen_by: str = ""):
+    """``(adapter, optimizer, plan)`` of a run with freeze ``phases`` (``config.check_freeze``'s form)
+    and ``also_frozen`` (see ``Freezing``): unchanged and ``None`` when nothing is frozen. Raises a
+    ``ConfigError`` for a rule that matches nothing, before anything compiles."""
+    if not any(rules for _, rules in phases) and also_frozen is None:
         return adapter, optimizer, None
     abstract_params = jax.eval_shape(adapter.init)[0]  # shapes only: names and sizes
-    freezing = Freezing(phases, abstract_params)
+    freezing = Freezing(phases, abstract_params, also_frozen, also_frozen_by)
     return FrozenAdapter(adapter, freezing), freezing.optimizer(optimizer), freezing.plan()
 
 
