@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from test_resume import _checkpoints, _wait_for
@@ -134,10 +135,11 @@ def _final(model_dir) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("layout", [[], ["fsdp"]], ids=["replicated", "fsdp8"])
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, layout):
-    steps = 6
+    """The tests' MLP with adapters (``lora_job.py``): killed after a few checkpoints, run again to the end."""
+    steps = 12
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     process = _start(parts, steps, *layout)
-    _wait_for(process, lambda: max(_checkpoints(parts)[0] or [0]) >= 2, timeout=180)
+    _wait_for(process, lambda: max(_checkpoints(parts)[0] or [0]) >= 4, timeout=180)
     process.kill()
     process.wait()
     assert max(_checkpoints(parts)[0]) < steps
@@ -148,3 +150,11 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, layout):
     assert got.keys() == expected.keys() and got["step"] == steps
     for name, value in expected.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
+    if layout:  # the adapters and their moments were sharded, not replicated
+        from lora_job import LORA
+        from models import estimator
+
+        est = estimator(None, optimizer=optax.adam(1e-2), lora=LORA, mesh={"fsdp": 8}, fsdp_min_bytes=0)
+        assert {r.path: tuple(r.spec) for r in est.sharding_plan()}["l1/lora/lora_b"] == (None, "fsdp")
+        moments = [x for x in jax.tree.leaves(est.state().opt_state) if x.ndim]  # Adam's, of the 4 adapters
+        assert len(moments) == 8 and all("fsdp" in tuple(x.sharding.spec) for x in moments)
