@@ -102,7 +102,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
         state_shapes=shapes,
         trainable=trainable,
-        merged=functools.partial(lora.merged_core, model, params, config, core) if config.lora else None,
+        merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,
     )
     ensure_console()
     freezing.report(trainable)

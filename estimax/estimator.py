@@ -289,6 +289,9 @@ class Estimator:
     ) -> str:
         """Writes a self-contained artifact of the model to ``path``; returns that directory.
 
+        Under ``RunConfig(lora=...)`` the artifact is the base model with each adapter merged
+        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters.
+
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
         size.

@@ -6,7 +6,7 @@ holding the same ``kernel`` and ``bias`` variables plus ``lora/lora_a`` and ``lo
 its adapter output scaled by ``alpha / rank``), which parameters are adapters, the adapter
 file (an ``.npz`` of the adapter arrays by path), and the merge of adapters into the base
 (``kernel + lora_a @ lora_b * alpha / rank``) for export. Freezing everything but the
-adapters is ``freezing.py``'s; the settings (``LoRA``) are ``config.py``'s.
+adapters is ``freezing.py``'s; the settings (``LoRA``) are ``fine_tuning.py``'s.
 
 Base parameters keep their paths (``blocks/0/attn/query/kernel``), so sharding rules and
 ``WarmStart`` from a base checkpoint apply unchanged.
@@ -24,8 +24,8 @@ import numpy as np
 from flax import nnx
 
 from estimax import storage
-from estimax.config import LoRA
 from estimax.errors import CheckpointError, ConfigError, ConfigTypeError
+from estimax.fine_tuning import LoRA
 from estimax.layout import format_bytes
 from estimax.models.base import WrappedModel
 from estimax.state import leaf_names
@@ -181,20 +181,15 @@ def merged_params(params, settings: LoRA) -> dict[str, np.ndarray]:
     return arrays
 
 
-def merged_core(model, hparams: dict, config, core, state):
+def merged_core(model, hparams: dict, config, core, mesh, state):
     """``(Core of the model without adapters, state with the adapters merged)``: what export writes."""
     from estimax.models import resolve as resolve_model  # the layer of models, used at export only
     from estimax.step import Core
 
-    with jax.set_mesh(core_mesh(state)):
+    with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
         base_adapter = resolve_model(model, hparams, config.seed)
     base = Core(base_adapter, core.model_fn, core.optimizer, core.hparams, core.seed, core.compute_dtype)
     return base, merged(base_adapter, state, config.lora)
-
-
-def core_mesh(state):
-    """The mesh of ``state``'s arrays (the module trace needs one for declared shardings)."""
-    return jax.tree.leaves(state.params)[0].sharding.mesh
 
 
 def merged(base_adapter, state, settings: LoRA):
