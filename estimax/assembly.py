@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import optax
 
-from estimax import accumulation, compile_cache, resize, run_setup, validation
+from estimax import accumulation, compile_cache, freezing, lora, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
@@ -49,18 +49,25 @@ class Parts:
     writers: CallWriters
     trainer: Trainer
     state_shapes: Callable  # () -> the TrainState as ShapeDtypeStructs with their shardings: nothing allocated
+    trainable: freezing.FreezePlan | None = None  # what trains at each phase of RunConfig(freeze=...)
+    merged: Callable | None = None  # under LoRA: state -> (the base model's Core, state with adapters merged)
 
 
 def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Parts:
     """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start)``; the
     arguments are checked already."""
-    if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
-        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
     compile_cache.enable(config.compilation_cache)
     mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
-    setup = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(mesh))
     with jax.set_mesh(mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
-        adapter = resolve_model(model, params, config.seed)
+        adapter = resolve_model(lora.wrap(model, config.lora), params, config.seed)
+        # Frozen parameters: a zero update, no optimizer state, no weight gradient (freezing.py); under
+        # LoRA, every parameter but the adapters.
+        base = (lambda name: not lora.is_adapter(name)) if config.lora else None
+        adapter, optimizer, trainable = freezing.apply(config.freeze, adapter, optimizer, base, "LoRA (the base)")
+    if config.skip_nonfinite:  # the update of a NaN/Inf gradient is skipped on the device
+        optimizer = optax.apply_if_finite(optimizer, max_consecutive_errors=10**9)
+    setup = run_setup.record(config.train_batch_size, config.seed, optimizer, resize.shape(mesh))
+    with jax.set_mesh(mesh):
         core = Core(
             adapter,
             model_fn,
@@ -77,7 +84,8 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
     sync = Sync(config.sync_timeout_seconds)
     run_dir = open_run_dir(config.model_dir, config.checkpoint, setup)
     shapes = functools.partial(_state_shapes, abstract_state, layout)  # the target of every restore
-    current = CurrentState(run_dir, shapes, functools.partial(_initialise, core, layout), warm_start, setup)
+    adapters = config.lora.adapters if config.lora else None  # an adapter file to start from
+    current = CurrentState(run_dir, shapes, functools.partial(_initialise, core, layout, adapters), warm_start, setup)
     plan = Plan(config, layout, sync)
     accumulation.warn_if_multisteps(abstract_state.opt_state)
     writers = CallWriters(config, run_dir, params, mesh.size)
@@ -93,8 +101,11 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         writers=writers,
         trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
         state_shapes=shapes,
+        trainable=trainable,
+        merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,
     )
     ensure_console()
+    freezing.report(trainable)
     return parts
 
 
@@ -102,10 +113,11 @@ def _state_shapes(abstract_state, layout):
     return checkpoint_lib.abstract_like(abstract_state, layout.state)
 
 
-def _initialise(core: Core, layout: layout_lib.Layout):
+def _initialise(core: Core, layout: layout_lib.Layout, adapters: str | None = None):
     replicated = all(sharding.is_fully_replicated for sharding in jax.tree.leaves(layout.state))
     with jax.set_mesh(layout.mesh), _random_draws_as_kernels(replicated):  # arrays created in their shards
-        return jax.jit(core.init_state, out_shardings=layout.state)()
+        state = jax.jit(core.init_state, out_shardings=layout.state)()
+    return state if adapters is None else lora.load(state, adapters)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from estimax import counting, eval_sets
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.fine_tuning import LoRA, check_freeze
 from estimax.tracker_kinds import resolve as resolve_trackers
 
 LOOP_KINDS = ("auto", "scan", "step")
@@ -261,6 +262,14 @@ class RunConfig:
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
+      freeze: parameters that do not train: ``[regex, ...]`` over ``/``-joined paths
+        (full match, as ``sharding_rules``), or a schedule ``{step: [regex, ...]}``
+        whose entry applies from that step until the next one (``{0: ["embed/.*"],
+        500: []}`` unfreezes the embedding at step 500). Frozen parameters keep their
+        values bit for bit and have no optimizer state (``estimax/freezing.py``); a
+        rule that matches nothing is an error.
+      lora: ``LoRA(layers=[regex, ...], rank=8, alpha=16)``: low-rank adapters on
+        those linear layers of an NNX model; only the adapters train.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -286,6 +295,8 @@ class RunConfig:
     trackers: tuple = ()
     compilation_cache: str | os.PathLike | None = None
     tokens_per_example: int | None = None
+    freeze: tuple = ()
+    lora: LoRA | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -337,6 +348,12 @@ class RunConfig:
         if self.fsdp_min_bytes < 0:
             raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
+        object.__setattr__(self, "freeze", check_freeze(self.freeze))
+        if self.lora is not None and not isinstance(self.lora, LoRA):
+            raise ConfigTypeError(
+                f"RunConfig(lora={self.lora!r}) is of type {type(self.lora).__name__}; expected "
+                r"ex.LoRA(layers=[r'blocks/\d+/attn/(query|value)'], rank=8) or None."
+            )
         for name in ("model_dir", "compilation_cache"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))

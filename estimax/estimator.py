@@ -18,6 +18,7 @@ import optax
 from estimax import assembly, calls, eval_sets, validation
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
+from estimax import lora as lora_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
@@ -116,6 +117,11 @@ class Estimator:
         """Where every parameter lives: rows with ``path``, ``shape``, ``dtype``, ``spec``,
         ``bytes_per_device`` and the rule that placed it, and per-device totals (printable)."""
         return self.layout.plan
+
+    def freeze_plan(self):
+        """What trains: per phase of ``RunConfig(freeze=...)``, the counts and bytes of parameters
+        trained and frozen, and the frozen paths (printable); ``None`` when nothing is frozen."""
+        return self._parts.trainable
 
     def model(self, checkpoint: int | str | None = None):
         """The model in its framework's form (an NNX or bound Linen module, the Keras model,
@@ -345,6 +351,9 @@ class Estimator:
     ) -> str:
         """Writes a self-contained artifact of the model to ``path``; returns that directory.
 
+        Under ``RunConfig(lora=...)`` the artifact is the base model with each adapter merged
+        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters.
+
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
         size.
@@ -364,8 +373,23 @@ class Estimator:
             raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
         features = self._plan.export_features(example_features)
         state = self._at(checkpoint, "export")
+        core = self._parts.core
+        if self._parts.merged is not None:  # LoRA: one artifact, the adapters merged into the base
+            core, state = self._parts.merged(state)
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 
-            return export_tf.export(self._parts.core, state, path, features)
-        return export_lib.export(self._parts.core, state, path, features)
+            return export_tf.export(core, state, path, features)
+        return export_lib.export(core, state, path, features)
+
+    def save_adapters(self, path: str, *, checkpoint: int | str | None = None) -> str:
+        """Writes the LoRA adapters alone to ``path`` (``.npz``; local or a store URL); returns it.
+
+        Start another run from them with ``RunConfig(lora=ex.LoRA(..., adapters=path))`` (its base
+        from its own initialisation or a ``WarmStart``); ``WarmStart(path)`` also reads the file.
+
+        Args:
+            path: the file to write, ending in ``.npz``.
+            checkpoint: a step of model_dir or a checkpoint path; default: the current state.
+        """
+        return lora_lib.save(self._at(checkpoint, "save_adapters").params, path)

@@ -110,4 +110,5 @@ RUN_FLAGS = (
     RunFlag(
         "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}, aliases=("tracker",)
     ),
+    RunFlag("freeze", "REGEX: parameters whose path matches do not train (repeatable)", {"action": "append"}, TRAIN),
 )

@@ -88,6 +88,8 @@ def _arrays(path: str, extension: str) -> dict:
 
     fs, inner = storage.filesystem(storage.expand(path))
     try:
+        if extension == ".npy" and not storage.is_url(path):  # mapped: memory does not grow with the file
+            return {"": np.load(storage.expand(path), mmap_mode="r")}
         with fs.open(inner, "rb") as file:
             loaded = np.load(file)
             return dict(loaded) if extension == ".npz" else {"": loaded}
