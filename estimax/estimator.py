@@ -17,6 +17,7 @@ import optax
 
 from estimax import assembly, calls, validation
 from estimax import config as config_lib
+from estimax import follow as follow_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
@@ -252,6 +253,40 @@ class Estimator:
         input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         return self._evaluator.states(input, state, steps=steps)[0]
+
+    @calls.one_thread_at_a_time
+    def follow(
+        self,
+        input,
+        *,
+        name: str = "eval",
+        newest_only: bool = False,
+        poll_seconds: float = 10.0,
+        hold_seconds: float = 120.0,
+    ) -> list[dict]:
+        """Evaluates every checkpoint the run's trainer commits, once, in step order, until training ends.
+
+        Runs beside the trainer (another process, host or mesh), and carries on where it stopped
+        when started again (``estimax.follow``). Records go to ``<model_dir>/evaluations/<name>.jsonl``
+        and TensorBoard's ``<name>`` run; the steps not yet read are held from the trainer's ``keep``.
+
+        Args:
+            input: the input to evaluate (``estimax.data``).
+            name: the evaluation set's name: records, TensorBoard run and hold are named after it.
+            newest_only: when behind, evaluate only the newest checkpoint; the skipped ones are recorded.
+            poll_seconds: how often to look for a new checkpoint.
+            hold_seconds: how long the hold on unread steps outlives this process.
+
+        Returns:
+            This call's records (``"step"``, the results, ``"lag_seconds"``, ``"skipped"``).
+        """
+        policy = follow_lib.FollowPolicy(name, newest_only, poll_seconds, hold_seconds)
+        input = self._checks.evaluate(input)
+
+        def evaluate(step: int) -> dict:
+            return self._evaluate(input, self._at(step, "follow"))
+
+        return follow_lib.Follower(self.run_dir, evaluate, policy, self._trainer.sync).run()
 
     def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
         return self._evaluator.results(

@@ -2,7 +2,8 @@
 
 Owns the choice (the committed steps before the ``keep`` newest, except one every
 ``keep_every_hours`` by commit time) and the deletion: each batch once this process proved it
-holds the model_dir's lock, oldest first, a step that is already gone skipped. Does not own when
+holds the model_dir's lock, oldest first, a step that is already gone skipped; a step a live
+follower has not read yet (``holds.py``) is kept until it has, or until its hold expires. Does not own when
 it runs (``checkpoint.py``: with no save in flight, on every process of a group alike, since
 Orbax's deletion is a collective) nor which steps are committed (Orbax's listing).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from estimax import storage
+from estimax import holds, storage
 from estimax.config import CheckpointPolicy
 
 
@@ -20,6 +21,9 @@ def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[],
     """Deletes, through Orbax's ``manager``, the committed steps ``policy`` no longer keeps."""
     steps = sorted(manager.all_steps())
     doomed = [s for s in steps[: -policy.keep] if s not in kept_by_time(manager, steps, policy.keep_every_hours)]
+    if doomed:  # a follower's hold keeps the steps from its floor on (read only when something would go)
+        floors = holds.live_floors(storage.parent(directory))
+        doomed = [s for s in doomed if not floors or s < min(floors)]
     if not doomed:
         return
     prove()  # nothing is deleted after a takeover
