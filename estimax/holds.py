@@ -162,7 +162,7 @@ class Hold:
     @contextlib.contextmanager
     def keep_alive(self):
         """Renews the hold every third of its life on a thread of its own while the block runs (an
-        evaluation may take longer than the hold lives); releases it at the end."""
+        evaluation may take longer than the hold lives); releases it when the block ends normally."""
         stop = threading.Event()
 
         def renew():
@@ -181,8 +181,7 @@ class Hold:
         finally:
             stop.set()
             thread.join()
-            if self._lost is None:
-                self.release()
+        self.release()  # at a normal end only: after an error it expires (a restart takes it over)
 
     def check(self) -> None:
         if self._lost is not None:
@@ -208,7 +207,8 @@ def live_floors(model_dir: str) -> list[int]:
             continue
         with contextlib.suppress(FileNotFoundError):
             holder = _parse(storage.read_bytes(storage.join(folder, name)))
-            if holder.get("expires_at", 0) >= now and not is_stale(holder) and isinstance(holder.get("floor"), int):
+            # Live until it expires, even when its process is gone: a follower restarted meanwhile finds its steps.
+            if holder.get("expires_at", 0) >= now and isinstance(holder.get("floor"), int):
                 floors.append(holder["floor"])
     return floors
 

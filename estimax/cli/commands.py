@@ -153,10 +153,24 @@ def _require_checkpoint(estimator) -> None:
 
 
 def evaluate(args, task, estimator, first: bool) -> int:
+    if args.follow:  # the trainer may not have saved yet: the follower waits for its first checkpoint
+        return _follow(args, task, estimator, first)
     _require_checkpoint(estimator)
     results = estimator.evaluate(task.input("eval"))
     if first:
         print(json.dumps(results))
+    return 0
+
+
+def _follow(args, task, estimator, first: bool) -> int:
+    """``evaluate --follow``: every checkpoint of the run, until training ends; prints the last record."""
+    given = {"poll_seconds": args.poll_seconds, "hold_seconds": args.hold_seconds}
+    settings = {name: value for name, value in given.items() if value is not None}
+    records = estimator.follow(
+        task.input("eval"), name=args.eval_set or "eval", newest_only=args.newest_only, **settings
+    )
+    if first:
+        print(json.dumps(records[-1] if records else {"evaluated": 0}))
     return 0
 
 
