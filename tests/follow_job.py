@@ -5,8 +5,8 @@ loop, a checkpoint every 2 steps keeping KEEP; ``SLOW_SECONDS`` makes each loop 
 long. It prints "trained to step N" at its end; SIGTERM saves and exits 75.
 
 ``python tests/follow_job.py follow MODEL_DIR [--newest-only]``: follows the run with
-``Estimator.follow`` (polling every 0.1 s, a hold of ``HOLD_SECONDS``, 3 by default) on 4 devices
-(the trainer uses 8: the follower restores into another mesh), then prints its records as
+``Estimator.follow`` (polling every ``POLL_SECONDS``, 0.1 by default, a hold of ``HOLD_SECONDS``,
+3 by default) on 4 devices (the trainer uses 8: the follower restores into another mesh), then prints its records as
 one JSON line. Faults, by variable: ``KILL_IN_RESTORE=N`` SIGKILLs it inside the restore of step N,
 ``KILL_IN_RECORD=N`` half-way through writing the record of step N; ``SLOW_RESTORE`` sleeps that
 long before each restore. It prints "following" once it has taken its hold. An estimax error
@@ -84,7 +84,8 @@ def follow_run(model_dir: str, newest_only: bool) -> None:
     holds.Hold.take = announced
     est = estimator(model_dir, num_devices=4, eval_batch_size=32)
     hold = float(os.environ.get("HOLD_SECONDS", 3))
-    records = est.follow(eval_input(), newest_only=newest_only, poll_seconds=0.1, hold_seconds=hold)
+    poll = float(os.environ.get("POLL_SECONDS", 0.1))
+    records = est.follow(eval_input(), newest_only=newest_only, poll_seconds=poll, hold_seconds=hold)
     print(json.dumps(records), flush=True)
 
 
