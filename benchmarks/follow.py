@@ -37,7 +37,10 @@ def one(store: str, follower: bool, steps: int, poll: float, env: dict) -> dict:
     env = {**env, "POLL_SECONDS": str(poll), "HOLD_SECONDS": str(max(30.0, 3 * poll))}
     following = None
     if follower:
-        following = subprocess.Popen([sys.executable, JOB, "follow", url], stdout=subprocess.PIPE, text=True, env=env)
+        log = tempfile.TemporaryFile("w+")
+        following = subprocess.Popen(
+            [sys.executable, JOB, "follow", url], stdout=subprocess.PIPE, stderr=log, text=True, env=env
+        )
         for line in following.stdout:
             if line.strip() == "following":
                 break
@@ -49,7 +52,8 @@ def one(store: str, follower: bool, steps: int, poll: float, env: dict) -> dict:
     result = {"store": store, "follower": follower, "steps": steps, "trainer_steps_per_sec": statistics.median(rates)}
     if following is not None:
         following.communicate()
-        assert following.returncode == 0
+        log.seek(0)
+        assert following.returncode == 0, log.read()[-2000:]
         lags = sorted(r["lag_seconds"] for r in _lines(url, "evaluations/eval.jsonl"))
         result.update(
             evaluated=len(lags),

@@ -23,11 +23,13 @@ from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled
 from estimax.metrics import Metric
 from estimax.serving import export as export_lib
+from estimax.serving.versions import ExportBase
 from estimax.step import Core
 from estimax.warm_start import WarmStart
 
@@ -260,9 +262,9 @@ class Estimator:
         input,
         *,
         name: str = "eval",
-        newest_only: bool = False,
-        poll_seconds: float = 10.0,
-        hold_seconds: float = 120.0,
+        best: Best | None = None,
+        export: ExportBase | None = None,
+        policy: FollowPolicy | None = None,
     ) -> list[dict]:
         """Evaluates every checkpoint the run's trainer commits, once, in step order, until training ends.
 
@@ -273,20 +275,27 @@ class Estimator:
         Args:
             input: the input to evaluate (``estimax.data``).
             name: the evaluation set's name: records, TensorBoard run and hold are named after it.
-            newest_only: when behind, evaluate only the newest checkpoint; the skipped ones are recorded.
-            poll_seconds: how often to look for a new checkpoint.
-            hold_seconds: how long the hold on unread steps outlives this process.
+            best: which evaluation is the best (``estimax.Best``): its checkpoint is kept in
+                ``<model_dir>/evaluations/<name>-best``.
+            export: an ``estimax.serving.ExportBase``: the best (or every) checkpoint exported to
+                ``BASE/<step>/``, whole or not at all, keeping the newest few.
+            policy: ``estimax.FollowPolicy``: newest only, how often to look, how long the hold lasts.
 
         Returns:
-            This call's records (``"step"``, the results, ``"lag_seconds"``, ``"skipped"``).
+            This call's records (``"step"``, the results, ``"lag_seconds"``, ``"skipped"``, ``"best"``,
+            ``"exported"``).
         """
-        policy = follow_lib.FollowPolicy(name, newest_only, poll_seconds, hold_seconds)
         input = self._checks.evaluate(input)
-
-        def evaluate(step: int) -> dict:
-            return self._evaluate(input, self._at(step, "follow"))
-
-        return follow_lib.Follower(self.run_dir, evaluate, policy, self._trainer.sync).run()
+        work = follow_lib.Work(
+            restore=lambda step: self._at(step, "follow"),
+            evaluate=lambda state: self._evaluate(input, state),
+            best=best,
+            export=lambda state, path: export_lib.export(
+                self._parts.core, state, path, self._plan.export_features(None)
+            ),
+            export_base=export,
+        )
+        return follow_lib.Follower(self.run_dir, work, name, policy or FollowPolicy(), self._trainer.sync).run()
 
     def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
         return self._evaluator.results(

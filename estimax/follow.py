@@ -25,12 +25,16 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
 from estimax import storage
+from estimax.checkpoint import Checkpointer
+from estimax.config import CheckpointPolicy
 from estimax.errors import ConfigError
 from estimax.holds import Hold
+from estimax.serving import versions
 from estimax.writers import TensorBoardWriter, VersionedObject, format_values
 
 logger = logging.getLogger("estimax")
@@ -40,34 +44,54 @@ EVALUATIONS = "evaluations"  # a model_dir's folder of followers' records, one f
 
 @dataclasses.dataclass(frozen=True)
 class FollowPolicy:
-    """How a follower follows.
+    """How a follower follows (``Estimator.follow(policy=...)``).
 
-    Args:
-      name: the evaluation set: its records file, TensorBoard run and hold are named after it.
+    Attributes:
       newest_only: when behind, evaluate only the newest committed step (the others are recorded as skipped).
       poll_seconds: how often to look for a new checkpoint.
-      hold_seconds: how long the hold on unread steps outlives a follower that stopped renewing it.
+      hold_seconds: how long the hold on unread steps outlives a follower that stopped renewing it
+        (at least 3x ``poll_seconds``).
     """
 
-    name: str = "eval"
     newest_only: bool = False
     poll_seconds: float = 10.0
     hold_seconds: float = 120.0
 
     def __post_init__(self):
-        if not self.name or not self.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise ConfigError(
-                f"follow(name={self.name!r}); expected a name of letters, digits, '-', '_' or '.', e.g. 'eval'."
-            )
         for field in ("poll_seconds", "hold_seconds"):
             value = getattr(self, field)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"follow({field}={value!r}); expected a number of seconds above 0.")
+                raise ConfigError(f"FollowPolicy({field}={value!r}); expected a number of seconds above 0.")
         if self.hold_seconds < 3 * self.poll_seconds:
             raise ConfigError(
-                f"follow(hold_seconds={self.hold_seconds:g}, poll_seconds={self.poll_seconds:g}): the hold would "
-                "expire between two looks; expected hold_seconds at least 3x poll_seconds."
+                f"FollowPolicy(hold_seconds={self.hold_seconds:g}, poll_seconds={self.poll_seconds:g}): the hold "
+                "would expire between two looks; expected hold_seconds at least 3x poll_seconds."
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What a follower does with each step, given by the Estimator.
+
+    Attributes:
+      restore: ``step -> state``, the committed step restored into the follower's mesh.
+      evaluate: ``state -> results``, the Estimator's evaluation.
+      best: ``estimax.Best``: the best state so far kept in ``evaluations/<set>-best/``; or ``None``.
+      export: ``(state, path) -> path``, the Estimator's export; with ``export_base``.
+      export_base: ``estimax.serving.versions.ExportBase``: versions ``BASE/<step>/``; or ``None``.
+    """
+
+    restore: Callable[[int], Any]
+    evaluate: Callable[[Any], dict]
+    best: Any = None
+    export: Callable[[Any, str], str] | None = None
+    export_base: Any = None
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"follow(name={name!r}); expected a name of letters, digits, '-', '_' or '.', e.g. 'eval'.")
+    return name
 
 
 class Records:
@@ -119,31 +143,46 @@ class Follower:
 
     Args:
       run_dir: the run's ``RunDir``.
-      evaluate: ``step -> results``: the Estimator's evaluation of that committed step.
+      work: what is done with each step (``Work``).
+      name: the evaluation set: its records file, TensorBoard run and hold are named after it.
       policy: a ``FollowPolicy``.
       sync: the group's ``Sync``: process 0's decision of each step on every process.
     """
 
-    def __init__(self, run_dir, evaluate: Callable[[int], dict], policy: FollowPolicy, sync):
+    def __init__(self, run_dir, work: Work, name: str, policy: FollowPolicy, sync):
         if run_dir.url is None:
             raise ConfigError(
                 "follow() needs a run to follow; received RunConfig(model_dir=None). Fix: the model_dir the "
                 "trainer writes, e.g. RunConfig(model_dir='runs/x')."
             )
-        self.run_dir, self.evaluate, self.policy, self.sync = run_dir, evaluate, policy, sync
+        base = work.export_base
+        if base is not None and base.which == "best" and work.best is None:
+            raise ConfigError(
+                f"follow(export=ExportBase({base.path!r}, which='best')) without best=; expected best=ex.Best(metric) "
+                "to say which checkpoint is the best. Fix: pass best=, or ExportBase(..., which='latest')."
+            )
+        self.run_dir, self.work, self.name, self.policy, self.sync = run_dir, work, check_name(name), policy, sync
         self.primary = jax.process_index() == 0
         self.written: list[dict] = []  # this call's records
+        self._best_value: float | None = None
+        self._best_checkpoints = None
+        if work.best is not None and work.best.keep_checkpoint:
+            self._best_checkpoints = Checkpointer(
+                run_dir.path(EVALUATIONS, f"{name}-best"), CheckpointPolicy(every_steps=None, keep=1),
+                best=(work.best.metric, work.best.direction),
+            )  # fmt: skip
 
     def run(self) -> list[dict]:
         """Follows until training has ended and its last checkpoint is handled; returns this call's records."""
         records = hold = None
         if self.primary:
-            records = Records(self.run_dir.path(EVALUATIONS, f"{self.policy.name}.jsonl"))
-            hold = Hold(self.run_dir.url, self.policy.name, self.policy.hold_seconds)
+            records = Records(self.run_dir.path(EVALUATIONS, f"{self.name}.jsonl"))
+            self._best_value = self._best_so_far(records.all())
+            hold = Hold(self.run_dir.url, self.name, self.policy.hold_seconds)
             hold.take(records.handled_through() + 1)
         done = int(self.sync.share("the steps evaluated", str(records.handled_through() if records else "")))
         logger.info(
-            "Following %s for %r%s from step %d: every %g s.", self.run_dir.url, self.policy.name,
+            "Following %s for %r%s from step %d: every %g s.", self.run_dir.url, self.name,
             " (the newest only)" if self.policy.newest_only else "", done + 1, self.policy.poll_seconds,
         )  # fmt: skip
         tensorboard = TensorBoardWriter(self.run_dir.path("tensorboard")) if self.primary else None
@@ -159,9 +198,11 @@ class Follower:
                     continue
                 self._handle(plan["step"], plan["skipped"], records, hold, tensorboard)
                 done = plan["step"]
+        if self._best_checkpoints is not None:
+            self._best_checkpoints.wait()
         ended = self.run_dir.ended() or {}
         logger.info("Training ended (last checkpoint %s) and every checkpoint is handled: the follower of %r ends.",
-                    ended.get("checkpoint"), self.policy.name)  # fmt: skip
+                    ended.get("checkpoint"), self.name)  # fmt: skip
         return self.written
 
     def _next(self, done: int) -> dict:
@@ -182,20 +223,22 @@ class Follower:
         if skipped:
             logger.warning(
                 "Step %d is evaluated for %r; steps %s are skipped (newest only: the follower was behind).",
-                step, self.policy.name, ", ".join(map(str, skipped)),
+                step, self.name, ", ".join(map(str, skipped)),
             )  # fmt: skip
         committed_at = self._committed_at(step) if self.primary else None
-        record: dict = {"split": self.policy.name, "step": step}
+        record: dict = {"split": self.name, "step": step}
         results: dict = {}
         try:
-            results = self.evaluate(step)
-            record.update(results)
+            state = self.work.restore(step)
         except Exception:
             if step in self.run_dir.checkpoints.steps():
                 raise
-            logger.warning("Step %d was deleted before %r read it (its hold had expired): missed.",
-                           step, self.policy.name)  # fmt: skip
+            logger.warning("Step %d was deleted before %r read it (its hold had expired): missed.", step, self.name)
             record["missed"] = True
+        else:
+            results = self.work.evaluate(state)
+            record.update(results)
+            record.update(self._keep(step, state, results))
         now = time.time()
         record.update(evaluated_at=now)
         if committed_at is not None:
@@ -205,11 +248,44 @@ class Follower:
         if self.primary:
             records.append(record)
             if results:
-                tensorboard.write(self.policy.name, step, results)
+                tensorboard.write(self.name, step, results)
                 lag = f" ({record['lag_seconds']:.1f} s after its commit)" if committed_at is not None else ""
-                logger.info("%s step %d%s: %s", self.policy.name, step, lag, format_values(results))
+                logger.info("%s step %d%s: %s", self.name, step, lag, format_values(results))
             hold.move(step + 1)
         self.written.append(record)
+
+    def _keep(self, step: int, state, results: dict) -> dict:
+        """The best checkpoint and the export of ``step``'s state, where asked; what the record says of them."""
+        best, base, said = self.work.best, self.work.export_base, {}
+        improved = False
+        if best is not None:
+            if best.metric not in results:
+                raise ConfigError(
+                    f"Best(metric={best.metric!r}) is not among the evaluation's results {sorted(results)}; "
+                    "expected one of them. Fix: pass one of those names."
+                )
+            value = results[best.metric]
+            before = self._best_value
+            improved = before is None or (value > before if best.direction == "max" else value < before)
+            improved = self.sync.share(f"whether step {step} is the best", "1" if improved else "") == "1"
+            if improved:
+                self._best_value, said["best"] = value, True
+                if self._best_checkpoints is not None:
+                    self._best_checkpoints.save(step, state, metrics=results)
+        if base is not None and (base.which == "latest" or improved):
+            said["exported"] = self.work.export(state, base.version(step))
+            if self.primary:
+                versions.prune(base.path, base.keep)
+        return said
+
+    def _best_so_far(self, records: list[dict]) -> float | None:
+        best = self.work.best
+        if best is None:
+            return None
+        values = [r[best.metric] for r in records if isinstance(r.get(best.metric), int | float)]
+        if not values:
+            return None
+        return max(values) if best.direction == "max" else min(values)
 
     def _committed_at(self, step: int) -> float | None:
         """When the trainer committed ``step`` (Orbax's commit time), or ``None`` where it cannot be read."""

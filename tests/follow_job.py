@@ -9,7 +9,8 @@ long. It prints "trained to step N" at its end; SIGTERM saves and exits 75.
 3 by default) on 4 devices (the trainer uses 8: the follower restores into another mesh), then prints its records as
 one JSON line. Faults, by variable: ``KILL_IN_RESTORE=N`` SIGKILLs it inside the restore of step N,
 ``KILL_IN_RECORD=N`` half-way through writing the record of step N; ``SLOW_RESTORE`` sleeps that
-long before each restore. It prints "following" once it has taken its hold. An estimax error
+long before each restore; ``EXPORT_BASE`` keeps the best by loss and exports it there (2 versions).
+It prints "following" once it has taken its hold. An estimax error
 ends it as the ``estimax`` command does: one line, and the error's exit code.
 """
 
@@ -85,7 +86,10 @@ def follow_run(model_dir: str, newest_only: bool) -> None:
     est = estimator(model_dir, num_devices=4, eval_batch_size=32)
     hold = float(os.environ.get("HOLD_SECONDS", 3))
     poll = float(os.environ.get("POLL_SECONDS", 0.1))
-    records = est.follow(eval_input(), newest_only=newest_only, poll_seconds=poll, hold_seconds=hold)
+    policy = ex.FollowPolicy(newest_only=newest_only, poll_seconds=poll, hold_seconds=hold)
+    best = ex.Best("loss") if "EXPORT_BASE" in os.environ else None
+    export = ex.serving.ExportBase(os.environ["EXPORT_BASE"], keep=2) if best else None
+    records = est.follow(eval_input(), best=best, export=export, policy=policy)
     print(json.dumps(records), flush=True)
 
 

@@ -22,6 +22,7 @@ from models import estimator
 import estimax as ex
 from estimax import storage
 from estimax.holds import Hold, live_floors
+from estimax.serving.versions import versions
 
 JOB = os.path.join(os.path.dirname(__file__), "follow_job.py")
 ERROR = "estimax: error: "
@@ -207,3 +208,28 @@ def test_the_command_line_follows_a_run_to_its_end(tmp_path):
     records = [json.loads(line) for line in open(f"{model_dir}/evaluations/held-out.jsonl")]
     assert [r["step"] for r in records] == [4]  # the checkpoint at the end of the call
     assert json.loads(followed.stdout.strip().splitlines()[-1]) == records[-1]
+
+
+@pytest.mark.parametrize("store", ["disk", "gs"])
+def test_the_follower_keeps_the_best_and_exports_it_as_whole_versions(store, request, tmp_path):
+    model_dir = _model_dir(store, request, tmp_path)
+    base = str(tmp_path / "base") if store == "disk" else f"gs://bkt/base-{tmp_path.name}"
+    follower = _following(model_dir, EXPORT_BASE=base)
+    assert _finished(_start("train", model_dir, 10, 1))[0] == 0
+    code, out, err = _finished(follower)
+    assert code == 0, err
+    records = _records(model_dir)
+    losses = [r["loss"] for r in records]
+    improved = [r["step"] for i, r in enumerate(records) if r["loss"] < min(losses[:i], default=math.inf)]
+    assert [r["step"] for r in records if r.get("best")] == improved  # each new best by loss, in order
+    assert versions(base) == improved[-2:]  # the newest two kept
+    assert all(name.isdigit() for name in storage.listdir(base))  # no staging or half version left
+    best_step = improved[-1]
+    best_dir = f"{model_dir}/evaluations/eval-best/{best_step}"
+    assert storage.listdir(f"{model_dir}/evaluations/eval-best") == [str(best_step)]
+    # The exported version answers as the kept best checkpoint predicts, without the model's code.
+    features = {"x": eval_input().features["x"][:8]}
+    served = ex.serving.load(f"{base}/{best_step}")(features)["class"]
+    rows = list(estimator(model_dir).predict(ex.data.from_arrays(features), checkpoint=best_dir))
+    assert list(served) == [row["class"] for row in rows]
+    _check_against_reference(model_dir, records)
