@@ -89,7 +89,7 @@ def test_every_checkpoint_is_evaluated_once_in_order_though_the_trainer_keeps_on
     records = _records(model_dir)
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10], records
     assert json.loads(out.strip().splitlines()[-1]) == records  # what follow() returned
-    assert all(r["lag_seconds"] >= 0 and "skipped" not in r for r in records)
+    assert all(r["lag_seconds"] >= 0 and "skipped" not in r and "missed" not in r for r in records)
     _check_against_reference(model_dir, records)
     assert live_floors(model_dir) == []  # released at its end
     assert storage.listdir(f"{model_dir}/tensorboard/eval")  # its own TensorBoard run
@@ -131,6 +131,7 @@ def test_a_follower_killed_in_a_restore_and_in_a_record_misses_nothing_and_repea
     assert code == 0, err
     records = _records(model_dir)
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10, 12], records
+    assert not any("missed" in r for r in records)
     _check_against_reference(model_dir, records)
 
 
@@ -233,3 +234,17 @@ def test_the_follower_keeps_the_best_and_exports_it_as_whole_versions(store, req
     rows = list(estimator(model_dir).predict(ex.data.from_arrays(features), checkpoint=best_dir))
     assert list(served) == [row["class"] for row in rows]
     _check_against_reference(model_dir, records)
+
+
+def test_the_trainers_keep_spares_the_steps_a_live_hold_holds_and_deletes_them_once_it_is_gone(model_dir):
+    from follow_job import blobs
+
+    hold = Hold(model_dir, "eval", seconds=3.0)
+    hold.take(4)  # a follower that has read up to step 3, alive: its hold renewed meanwhile
+    est = estimator(model_dir, steps_per_loop=2, checkpoint=ex.CheckpointPolicy(every_steps=2, keep=1))
+    with hold.keep_alive():
+        est.train(ex.data.from_arrays(*blobs(256)), max_steps=8)
+    assert est.run_dir.checkpoints.steps() == [4, 6, 8]  # step 2 went; 4 and 6 are held
+    assert live_floors(model_dir) == []  # released at the block's end (an expired one reads the same)
+    est.train(ex.data.from_arrays(*blobs(256)), max_steps=10)
+    assert est.run_dir.checkpoints.steps() == [10]
