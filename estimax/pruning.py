@@ -13,6 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import jax
+import numpy as np
+
 from estimax import holds, storage
 from estimax.config import CheckpointPolicy
 
@@ -22,14 +25,25 @@ def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[],
     steps = sorted(manager.all_steps())
     doomed = [s for s in steps[: -policy.keep] if s not in kept_by_time(manager, steps, policy.keep_every_hours)]
     if doomed:  # a follower's hold keeps the steps from its floor on (read only when something would go)
-        floors = holds.live_floors(storage.parent(directory))
-        doomed = [s for s in doomed if not floors or s < min(floors)]
+        floor = held_from(storage.parent(directory))
+        doomed = [s for s in doomed if floor is None or s < floor]
     if not doomed:
         return
     prove()  # nothing is deleted after a takeover
     for step in doomed:
         with contextlib.suppress(FileNotFoundError):  # gone already (another process deleted it)
             storage.bounded("deleting an old checkpoint", directory, manager.delete, step)
+
+
+def held_from(model_dir: str) -> int | None:
+    """The first step a live follower's hold keeps (``holds.py``), ``None`` without one: process 0's
+    reading on every process, so that they delete the same steps (each deletion is a collective)."""
+    floor = min(holds.live_floors(model_dir), default=-1) if jax.process_index() == 0 else -1
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        floor = int(multihost_utils.broadcast_one_to_all(np.int32(floor)))
+    return None if floor < 0 else floor
 
 
 def kept_by_time(manager, steps: list[int], hours: float | None) -> set[int]:
