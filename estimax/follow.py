@@ -210,7 +210,7 @@ class Follower:
         if not self.primary:
             return {}
         ended = self.run_dir.ended()  # read before the listing: a checkpoint committed before the end is listed
-        steps = [s for s in self.run_dir.checkpoints.steps() if s > done]
+        steps = [s for s in self._steps() if s > done]
         if not steps:
             return {"step": None, "skipped": [], "end": ended is not None}
         if self.policy.newest_only:
@@ -231,7 +231,7 @@ class Follower:
         try:
             state = self.work.restore(step)
         except Exception:
-            if step in self.run_dir.checkpoints.steps():
+            if step in self._steps():
                 raise
             logger.warning("Step %d was deleted before %r read it (its hold had expired): missed.", step, self.name)
             record["missed"] = True
@@ -253,6 +253,14 @@ class Follower:
                 logger.info("%s step %d%s: %s", self.name, step, lag, format_values(results))
             hold.move(step + 1)
         self.written.append(record)
+
+    def _steps(self) -> list[int]:
+        """The committed steps; listed again when a step the trainer deleted meanwhile vanished under the listing."""
+        for _ in range(3):
+            with contextlib.suppress(FileNotFoundError):
+                return self.run_dir.checkpoints.steps()
+            time.sleep(0.1)
+        return self.run_dir.checkpoints.steps()
 
     def _keep(self, step: int, state, results: dict) -> dict:
         """The best checkpoint and the export of ``step``'s state, where asked; what the record says of them."""

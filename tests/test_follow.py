@@ -138,8 +138,10 @@ def test_a_follower_killed_in_a_restore_and_in_a_record_misses_nothing_and_repea
 def test_a_preempted_and_resumed_trainer_is_followed_to_its_end(tmp_path):
     model_dir = str(tmp_path / "run")
     follower = _following(model_dir)
-    trainer = _start("train", model_dir, 14, 2, SLOW_SECONDS=0.4)
-    _wait_for_records(model_dir, 2, follower)
+    trainer = _start("train", model_dir, 14, 2, SLOW_SECONDS=1.0)
+    while not os.path.isdir(f"{model_dir}/checkpoints/4"):  # training, with steps left to train
+        assert trainer.poll() is None and follower.poll() is None, trainer.communicate()
+        time.sleep(0.1)
     trainer.send_signal(signal.SIGTERM)
     code, out, err = _finished(trainer)
     assert code == 75, err
