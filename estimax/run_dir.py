@@ -171,11 +171,13 @@ class RunDir:
         """``ended.json``: removed with ``None`` (a call starts), else written with the last checkpoint of
         a call that ended normally (not when it failed or was preempted)."""
         path = self.path(ENDED)
+        if checkpoint is None:
+            if storage.exists(path):
+                self.lock.prove()  # nothing is written after a takeover
+                storage.remove(path)
+            return
         self.lock.prove()
-        if checkpoint is None and self.lock.held and storage.exists(path):
-            storage.remove(path)
-        elif checkpoint is not None:
-            storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
+        storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
 
     def ended(self) -> dict | None:
         """``{"checkpoint": N}`` once the last training call ended normally with checkpoint N (``None``
@@ -281,11 +283,13 @@ class NoRunDir:
         """``ended.json``: removed with ``None`` (a call starts), else written with the last checkpoint of
         a call that ended normally (not when it failed or was preempted)."""
         path = self.path(ENDED)
+        if checkpoint is None:
+            if storage.exists(path):
+                self.lock.prove()  # nothing is written after a takeover
+                storage.remove(path)
+            return
         self.lock.prove()
-        if checkpoint is None and self.lock.held and storage.exists(path):
-            storage.remove(path)
-        elif checkpoint is not None:
-            storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
+        storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
 
     def ended(self) -> dict | None:
         """``{"checkpoint": N}`` once the last training call ended normally with checkpoint N (``None``
