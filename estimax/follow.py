@@ -229,7 +229,7 @@ class Follower:
         record: dict = {"split": self.name, "step": step}
         results: dict = {}
         try:
-            state = self.work.restore(step)
+            state = self._restore(step)
         except Exception:
             if step in self._steps():
                 raise
@@ -261,6 +261,18 @@ class Follower:
                 return self.run_dir.checkpoints.steps()
             time.sleep(0.1)
         return self.run_dir.checkpoints.steps()
+
+    def _restore(self, step: int):
+        """The state of ``step``; tried again when another step, deleted by the trainer meanwhile, vanished
+        under the listing that comes before it (Orbax reads every step's folder)."""
+        for _ in range(3):
+            try:
+                return self.work.restore(step)
+            except FileNotFoundError:
+                if step not in self._steps():
+                    raise
+                time.sleep(0.1)
+        return self.work.restore(step)
 
     def _keep(self, step: int, state, results: dict) -> dict:
         """The best checkpoint and the export of ``step``'s state, where asked; what the record says of them."""
