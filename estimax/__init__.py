@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.estimator import Estimator as Estimator
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.fine_tuning import LoRA as LoRA
+    from estimax.follow import FollowPolicy as FollowPolicy
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
     from estimax.loop import Compiled as Compiled
@@ -54,6 +55,7 @@ _NAMES = {
     "RunConfig": "estimax.config",
     "Estimator": "estimax.estimator",
     "UntrainedWarning": "estimax.estimator",
+    "FollowPolicy": "estimax.follow",
     "Interrupted": "estimax.preemption",
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",

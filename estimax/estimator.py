@@ -17,17 +17,20 @@ import optax
 
 from estimax import assembly, calls, eval_sets, validation
 from estimax import config as config_lib
+from estimax import follow as follow_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax import lora as lora_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
 from estimax.serving import export as export_lib
+from estimax.serving.export_base import ExportBase
 from estimax.step import Core
 from estimax.warm_start import WarmStart
 
@@ -294,6 +297,47 @@ class Estimator:
         states = {name: self._evaluator.states(one, state, steps=steps, name=name)[0] for name, one in sets.items()}
         return eval_sets.returned(states)
 
+    @calls.one_thread_at_a_time
+    def follow(
+        self,
+        input,
+        *,
+        name: str = "eval",
+        best: Best | None = None,
+        export: ExportBase | None = None,
+        policy: FollowPolicy | None = None,
+    ) -> list[dict]:
+        """Evaluates every checkpoint the run's trainer commits, once, in step order, until training ends.
+
+        Runs beside the trainer (another process, host or mesh), and carries on where it stopped
+        when started again (``estimax.follow``). Records go to ``<model_dir>/evaluations/<name>.jsonl``
+        and TensorBoard's ``<name>`` run; the steps not yet read are held from the trainer's ``keep``.
+
+        Args:
+            input: the input to evaluate (``estimax.data``).
+            name: the evaluation set's name: records, TensorBoard run and hold are named after it.
+            best: which evaluation is the best (``estimax.Best``): its checkpoint is kept in
+                ``<model_dir>/evaluations/<name>-best``.
+            export: an ``estimax.serving.ExportBase``: the best (or every) checkpoint exported to
+                ``BASE/<step>/``, whole or not at all, keeping the newest few.
+            policy: ``estimax.FollowPolicy``: newest only, how often to look, how long the hold lasts.
+
+        Returns:
+            This call's records (``"step"``, the results, ``"lag_seconds"``, ``"skipped"``, ``"best"``,
+            ``"exported"``).
+        """
+        input = self._checks.evaluate(input)
+        work = follow_lib.Work(
+            restore=lambda step: self._at(step, "follow"),
+            evaluate=lambda state: self._evaluate_set(None, input, state),
+            best=best,
+            export=lambda state, path: export_lib.export(
+                *self._exportable(state), path, self._plan.export_features(None)
+            ),
+            export_base=export,
+        )
+        return follow_lib.Follower(self.run_dir, work, name, policy or FollowPolicy(), self._trainer.sync).run()
+
     def _evaluate_set(
         self,
         name: str | None,
@@ -372,15 +416,19 @@ class Estimator:
         if format not in ("jax", "tf_saved_model"):
             raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
         features = self._plan.export_features(example_features)
-        state = self._at(checkpoint, "export")
-        core = self._parts.core
-        if self._parts.merged is not None:  # LoRA: one artifact, the adapters merged into the base
-            core, state = self._parts.merged(state)
+        core, state = self._exportable(self._at(checkpoint, "export"))
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 
             return export_tf.export(core, state, path, features)
         return export_lib.export(core, state, path, features)
+
+    def _exportable(self, state) -> tuple:
+        """``(core, state)`` an artifact is written from: under LoRA, the base with the adapters merged
+        into it (one artifact, no adapters)."""
+        if self._parts.merged is not None:
+            return self._parts.merged(state)
+        return self._parts.core, state
 
     def save_adapters(self, path: str, *, checkpoint: int | str | None = None) -> str:
         """Writes the LoRA adapters alone to ``path`` (``.npz``; local or a store URL); returns it.

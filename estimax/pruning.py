@@ -2,7 +2,8 @@
 
 Owns the choice (the committed steps before the ``keep`` newest, except one every
 ``keep_every_hours`` by commit time) and the deletion: each batch once this process proved it
-holds the model_dir's lock, oldest first, a step that is already gone skipped. Does not own when
+holds the model_dir's lock, oldest first, a step that is already gone skipped; a step a live
+follower has not read yet (``holds.py``) is kept until it has, or until its hold expires. Does not own when
 it runs (``checkpoint.py``: with no save in flight, on every process of a group alike, since
 Orbax's deletion is a collective) nor which steps are committed (Orbax's listing).
 """
@@ -12,7 +13,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from estimax import storage
+import jax
+import numpy as np
+
+from estimax import holds, storage
 from estimax.config import CheckpointPolicy
 
 
@@ -20,12 +24,26 @@ def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[],
     """Deletes, through Orbax's ``manager``, the committed steps ``policy`` no longer keeps."""
     steps = sorted(manager.all_steps())
     doomed = [s for s in steps[: -policy.keep] if s not in kept_by_time(manager, steps, policy.keep_every_hours)]
+    if doomed:  # a follower's hold keeps the steps from its floor on (read only when something would go)
+        floor = held_from(storage.parent(directory))
+        doomed = [s for s in doomed if floor is None or s < floor]
     if not doomed:
         return
     prove()  # nothing is deleted after a takeover
     for step in doomed:
         with contextlib.suppress(FileNotFoundError):  # gone already (another process deleted it)
             storage.bounded("deleting an old checkpoint", directory, manager.delete, step)
+
+
+def held_from(model_dir: str) -> int | None:
+    """The first step a live follower's hold keeps (``holds.py``), ``None`` without one: process 0's
+    reading on every process, so that they delete the same steps (each deletion is a collective)."""
+    floor = min(holds.live_floors(model_dir), default=-1) if jax.process_index() == 0 else -1
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        floor = int(multihost_utils.broadcast_one_to_all(np.int32(floor)))
+    return None if floor < 0 else floor
 
 
 def kept_by_time(manager, steps: list[int], hours: float | None) -> set[int]:

@@ -9,6 +9,9 @@ A model_dir (a local path, ``file://``, ``gs://`` or ``s3://``) holds::
     tensorboard/<split>/    TensorBoard event files
     profile/                jax.profiler traces
     trackers.json           the experiment trackers' run ids
+    ended.json              the last checkpoint of a training call that ended normally (followers stop there)
+    evaluations/<set>.jsonl a follower's records of each checkpoint it evaluated (follow.py)
+    holds/<set>.json        a follower's hold on the checkpoints it has not read (holds.py)
 
 Owns these names (``checkpoints`` is spelt in ``checkpoint.py``, which also
 finds it in a model_dir given as a checkpoint path; ``estimax.lock`` in
@@ -47,6 +50,7 @@ BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
     "profile",
     "trackers.json",
 )
+ENDED = "ended.json"  # removed when a training call starts, written when one ends normally
 
 
 def open_run_dir(model_dir, policy: CheckpointPolicy, run_meta: dict) -> RunDir | NoRunDir:
@@ -143,10 +147,18 @@ class RunDir:
             found = getattr(errors, kind, None)
             raise (found if isinstance(found, type) and issubclass(found, errors.EstimaxError) else StorageError)(text)
         try:
+            if primary:
+                self._end_marker(None)  # training again: a follower does not stop at an earlier end
             self.checkpoints.open_for_writing(primary, shared["attempt"], shared["left"])
             if best is not None:
                 best.open_for_writing(primary, shared["attempt"])
             yield
+            if best is not None:
+                best.close_for_writing()
+                best = None
+            self.checkpoints.close_for_writing()  # the saves in flight committed: the last checkpoint is known
+            if primary:
+                self._end_marker(self.checkpoints.committed_step(read=True))
         finally:
             try:
                 if best is not None:
@@ -155,6 +167,28 @@ class RunDir:
             finally:
                 if primary:
                     self.lock.release()  # never raises: the error in flight, if any, is the one reported
+
+    def _end_marker(self, checkpoint: int | None) -> None:
+        """``ended.json``: removed with ``None`` (a call starts), else written with the last checkpoint of
+        a call that ended normally (not when it failed or was preempted)."""
+        path = self.path(ENDED)
+        if checkpoint is None:
+            if storage.exists(path):
+                self.lock.prove()  # nothing is written after a takeover
+                storage.remove(path)
+            return
+        self.lock.prove()
+        storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
+
+    def ended(self) -> dict | None:
+        """``{"checkpoint": N}`` once the last training call ended normally with checkpoint N (``None``
+        if none was saved); ``None`` while training runs, or before it started."""
+        path = self.path(ENDED)
+        storage.forget_listings(path)
+        try:
+            return _record(storage.read_bytes(path).decode()) or None
+        except FileNotFoundError:
+            return None
 
     @contextlib.contextmanager
     def recording(self, what: str):
@@ -245,6 +279,28 @@ class NoRunDir:
     @contextlib.contextmanager
     def writing(self, sync, best=None):
         yield
+
+    def _end_marker(self, checkpoint: int | None) -> None:
+        """``ended.json``: removed with ``None`` (a call starts), else written with the last checkpoint of
+        a call that ended normally (not when it failed or was preempted)."""
+        path = self.path(ENDED)
+        if checkpoint is None:
+            if storage.exists(path):
+                self.lock.prove()  # nothing is written after a takeover
+                storage.remove(path)
+            return
+        self.lock.prove()
+        storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
+
+    def ended(self) -> dict | None:
+        """``{"checkpoint": N}`` once the last training call ended normally with checkpoint N (``None``
+        if none was saved); ``None`` while training runs, or before it started."""
+        path = self.path(ENDED)
+        storage.forget_listings(path)
+        try:
+            return _record(storage.read_bytes(path).decode()) or None
+        except FileNotFoundError:
+            return None
 
     @contextlib.contextmanager
     def recording(self, what: str):

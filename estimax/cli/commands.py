@@ -30,6 +30,7 @@ from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import CheckpointError, ConfigError, ModelFnError
+from estimax.follow import FollowPolicy
 from estimax.state import leaf_names
 from estimax.warm_start import WarmStart
 
@@ -160,10 +161,22 @@ def _require_checkpoint(estimator) -> None:
 
 
 def evaluate(args, task, estimator, first: bool) -> int:
+    if args.follow:  # the trainer may not have saved yet: the follower waits for its first checkpoint
+        return _follow(args, task, estimator, first)
     _require_checkpoint(estimator)
     results = estimator.evaluate(task.input("eval"))
     if first:
         print(json.dumps(results))
+    return 0
+
+
+def _follow(args, task, estimator, first: bool) -> int:
+    """``evaluate --follow``: every checkpoint of the run, until training ends; prints the last record."""
+    given = {"poll_seconds": args.poll_seconds, "hold_seconds": args.hold_seconds}
+    policy = FollowPolicy(newest_only=args.newest_only, **{k: v for k, v in given.items() if v is not None})
+    records = estimator.follow(task.input("eval"), name=args.eval_set or "eval", policy=policy)
+    if first:
+        print(json.dumps(records[-1] if records else {"evaluated": 0}))
     return 0
 
 

@@ -68,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--warm-start", metavar="DIR", help="start a new run from the parameters of the run in DIR that fit"
             )
+        if name == "evaluate":
+            _follow_arguments(sub)
         if name == "predict":
             sub.add_argument(
                 "--input", metavar="FILE", help=f"predict this file instead ({', '.join(predict_file.FORMATS)})"
@@ -111,6 +113,27 @@ def add_task_arguments(sub: argparse.ArgumentParser, command: str) -> None:
     group.add_argument("--coordinator", help="host:port of process 0 (ESTIMAX_COORDINATOR)")
     group.add_argument("--num-processes", type=positive_int, help="processes in the group (ESTIMAX_NUM_PROCESSES)")
     group.add_argument("--process-id", type=non_negative_int, help="this process's index (ESTIMAX_PROCESS_ID)")
+
+
+def _follow_arguments(sub: argparse.ArgumentParser) -> None:
+    group = sub.add_argument_group("following a run (docs/guides/evaluating-while-training.md)")
+    group.add_argument(
+        "--follow", action="store_true", help="evaluate every checkpoint the run commits, until training ends"
+    )
+    group.add_argument("--eval-set", metavar="NAME", help="the evaluation set's name: records, TensorBoard (eval)")
+    group.add_argument("--newest-only", action="store_true", help="when behind, evaluate the newest checkpoint only")
+    group.add_argument("--poll-seconds", type=_positive_seconds, help="look for a new checkpoint this often (10)")
+    group.add_argument("--hold-seconds", type=_positive_seconds, help="keep unread steps this long after a stop (120)")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"received {text!r}; expected a number of seconds above 0, e.g. 10")
+    return value
 
 
 def _assignment(text: str) -> tuple[str, str]:
@@ -167,6 +190,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--process-id {args.process_id} with --num-processes {args.num_processes}; expected 0 to "
             f"{args.num_processes - 1}"
         )
+    following = [f for f in ("eval_set", "newest_only", "poll_seconds", "hold_seconds") if getattr(args, f, None)]
+    if following and not getattr(args, "follow", False):
+        error(f"--{following[0].replace('_', '-')} without --follow; expected it with --follow")
     names = [name for name, _ in args.set]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

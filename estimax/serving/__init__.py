@@ -20,14 +20,16 @@ if TYPE_CHECKING:
     from estimax.serving.artifact import ArtifactError as ArtifactError
     from estimax.serving.artifact import ExportedModel as ExportedModel
     from estimax.serving.artifact import load as load
+    from estimax.serving.export_base import ExportBase as ExportBase
 
-__all__ = ["ArtifactError", "ExportedModel", "load"]
+__all__ = ["ArtifactError", "ExportBase", "ExportedModel", "load"]
+_MODULES = {"ExportBase": "estimax.serving.export_base"}  # the others: estimax.serving.artifact
 
 
 def __getattr__(name: str):
     if name not in __all__:
         raise unknown_name("estimax.serving", name, __all__)
-    value = getattr(importlib.import_module("estimax.serving.artifact"), name)
+    value = getattr(importlib.import_module(_MODULES.get(name, "estimax.serving.artifact")), name)
     globals()[name] = value  # later lookups skip this function
     return value
 
