@@ -15,18 +15,20 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import assembly, calls, validation
+from estimax import assembly, calls, run_computation, validation
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.fingerprint import Computation
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled
 from estimax.metrics import Metric
 from estimax.serving import export as export_lib
+from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.step import Core
 from estimax.warm_start import WarmStart
 
@@ -153,7 +155,9 @@ class Estimator:
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
         """
         input = self._checks.train(input)
-        self._trainer.train(input, (max_steps, steps, epochs), self._trainer.hooks(hooks))
+        self._trainer.train(
+            input, (max_steps, steps, epochs), self._trainer.hooks(hooks), computation=self._checks.computation
+        )
         return self
 
     @calls.one_thread_at_a_time
@@ -206,10 +210,27 @@ class Estimator:
         evaluation = self._trainer.evaluation(
             lambda state, should_stop: self._evaluate(eval_input, state, should_stop=should_stop), every, best
         )
-        loop = self._trainer.train(train_input, (max_steps, None, epochs), hooks, evaluation)
+        loop = self._trainer.train(
+            train_input, (max_steps, None, epochs), hooks, evaluation, computation=self._checks.computation
+        )
         if loop is None:  # nothing left to train: the current state's evaluation
             return self.evaluate(eval_input)
         return loop.last_metrics
+
+    def check(self, mode: str, input):
+        """Traces the model_fn abstractly in ``mode`` (``ex.TRAIN``, ``ex.EVAL``, ``ex.PREDICT``) on the
+        first batch of ``input``, as that call does before its first step: nothing is compiled or run.
+        Returns the input to use from now on (an iterator's first batch is put back)."""
+        checks = {TRAIN: self._checks.train, EVAL: self._checks.evaluate, PREDICT: self._checks.predict}
+        if mode not in checks:
+            raise ConfigError(f"Estimator.check(mode={mode!r}); expected ex.TRAIN, ex.EVAL or ex.PREDICT.")
+        return checks[mode](input)
+
+    def computation(self, input) -> Computation | None:
+        """What this Estimator's training step computes on ``input``'s batches, traced abstractly
+        (``estimax.fingerprint.Computation``); ``None`` for batches that are not dicts, tuples and arrays."""
+        self._checks.train(input)
+        return self._checks.computation
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time
@@ -240,7 +261,9 @@ class Estimator:
         input = self._checks.evaluate(input)
         state = self._at(checkpoint, "evaluate")
         results = self._evaluate(input, state, steps=steps, host_metrics=host_metrics)
-        self._parts.writers.record_evaluation(int(jax.device_get(state.step)), results)
+        step = int(jax.device_get(state.step))
+        if run_computation.own_evaluation(self.run_dir, step, checkpoint, self._checks.computation_on):
+            self._parts.writers.record_evaluation(step, results)
         return results
 
     @calls.one_thread_at_a_time

@@ -22,8 +22,8 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from estimax import fingerprint, precision
 from estimax import metrics as metrics_lib
-from estimax import precision
 from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
@@ -129,6 +129,8 @@ class ModeChecks:
     def __init__(self, core, abstract_state, plan):
         self.core, self.abstract_state, self.plan = core, abstract_state, plan
         self._traced: dict = {}  # (mode, batch shapes) -> what tracing gave: each is traced once
+        self._computations: dict = {}  # an encoded train batch -> the training step's fingerprint on it
+        self.computation: fingerprint.Computation | None = None  # that of the last input train() checked
 
     def _trace(self, mode: str, fn, batch, batch_size: int, inspect=None):
         """``fn``'s abstract outputs on ``batch``; ``inspect(jaxpr)`` reads the program when it is first traced."""
@@ -155,7 +157,24 @@ class ModeChecks:
                 micro_batch_size,
                 inspect=None if dtype is None else lambda jaxpr: precision.check_matmuls(jaxpr, dtype),
             )
+            self.computation = self.computation_on(
+                fingerprint.encode_batch(abstract_batch(batch, self.plan.global_batch(TRAIN)))
+            )
         return input
+
+    def computation_on(self, encoded) -> fingerprint.Computation | None:
+        """The fingerprint of the training step on a batch ``fingerprint.encode_batch`` wrote (a run's
+        record); ``None`` for a batch of another kind or one the step cannot take."""
+        key = repr(encoded)
+        if key not in self._computations:
+            batch = fingerprint.decode_batch(encoded)
+            mesh = self.plan.layout.mesh
+            try:
+                found = None if batch is None else fingerprint.trace(self.core, self.abstract_state, mesh, batch)
+            except Exception:  # another code that cannot take that batch: it computes otherwise
+                found = fingerprint.Computation("untraceable", encoded, fingerprint.arrays_digest(self.abstract_state))
+            self._computations[key] = found
+        return self._computations[key]
 
     def evaluate(self, input, used: dict[str, str] | None = None):
         """EVAL mode: values that padding would corrupt (scalars) where the input may pad a batch,
