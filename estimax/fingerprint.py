@@ -24,6 +24,7 @@ from estimax.state import leaf_names
 
 # Parts of a program's text that say where it runs or where Python keeps an object, not what it computes.
 _ADDRESSES = re.compile(r" at 0x[0-9a-fA-F]+")
+ARRAYS_DIFFER = "shapes: the state's arrays (the model's or optimizer's)"
 _MESHES = re.compile(r"\b(?:Abstract)?Mesh\((?:[^()]|\([^()]*\))*\)|device_ids=\[[^\]]*\]")
 
 
@@ -131,7 +132,7 @@ def differences(before: Computation, now: Computation) -> str:
     """What differs, in a few words: the state's arrays, the batch's shapes, or else the code; ``""``
     when nothing does."""
     if before.arrays != now.arrays:
-        return "shapes: the state's arrays (the model's or optimizer's)"
+        return ARRAYS_DIFFER
     if before.batch != now.batch:
         return f"shapes: the batch ({describe_batch(before.batch)} -> {describe_batch(now.batch)})"
     if before.digest != now.digest:

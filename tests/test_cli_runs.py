@@ -134,7 +134,10 @@ def test_a_changed_model_is_a_new_run_and_a_run_remembers_its_set_values(tmp_pat
         TASK.replace("nnx.Linear(hidden, 3, rngs=rngs)", "nnx.Linear(hidden, 3, use_bias=False, rngs=rngs)")
     )
     third = _ok("train", "blobs.py", cwd=tmp_path)
-    assert f"The model changed since {runs}/blobs was trained: a new run in {runs}/blobs-3" in third
+    assert (
+        f"Run directory {runs}/blobs-3: a new run (no --set values), as {runs}/blobs was trained by another "
+        "computation (shapes: the state's arrays" in third
+    )
     assert sorted(os.listdir(runs)) == ["blobs", "blobs-2", "blobs-3"] and _params(runs / "blobs")[0] == 4
     # Under an explicit --model-dir the refusal stays, and its fix names the flags...
     line = _refused("train", "blobs.py", "--model-dir", "runs/blobs", cwd=tmp_path)
