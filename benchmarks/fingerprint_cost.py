@@ -2,7 +2,9 @@
 
 ``estimax.fingerprint.trace`` runs ``jax.make_jaxpr`` of ``Core.train_step`` on the state's and the
 global train batch's shapes (nothing compiled, allocated or run), then hashes the program's text.
-For three models (the 2-16-3 MLP of the command-line tests, the MNIST task's CNN at batch 128, the
+It also times the other trace ``estimax train`` now makes before step 1, the eval mode's
+(``Estimator.check(ex.EVAL, input)`` on an input of 256 examples), which the command line's
+``train`` used to make only after training. For three models (the 2-16-3 MLP of the command-line tests, the MNIST task's CNN at batch 128, the
 byte transformer of the ``lm`` task at its default sizes) it prints one JSON line: the first trace in
 the process, the median of 5 more, the program's size in characters, and beside them the time XLA
 takes to compile the same step (``jax.jit(train_step).lower(...).compile()``), the cost a trace is
@@ -86,11 +88,17 @@ def main():
             start = time.perf_counter()
             jax.jit(estimator.core.train_step).lower(shapes, batch).compile()
             compile_s = time.perf_counter() - start
+        features, labels = batch
+        rows = jax.tree.map(lambda x: np.zeros((256, *x.shape[1:]), x.dtype), (features, labels))
+        start = time.perf_counter()
+        estimator.check(ex.EVAL, ex.data.from_arrays(*rows))
+        eval_check_ms = (time.perf_counter() - start) * 1e3
         row = {
             "workload": name,
             "first_trace_ms": round(first_ms, 1),
             "trace_ms_median": round(statistics.median(again), 1),
             "program_chars": len(text),
+            "eval_check_ms": round(eval_check_ms, 1),
             "compile_s": round(compile_s, 2),
         }
         print(json.dumps(row), flush=True)

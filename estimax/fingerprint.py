@@ -65,6 +65,18 @@ def trace(core, abstract_state, mesh, batch) -> Computation:
     return Computation(program_digest(str(jaxpr)), encode_batch(batch), arrays_digest(abstract_state))
 
 
+def trace_recorded(core, abstract_state, mesh, encoded) -> Computation | None:
+    """``trace`` on a batch ``encode_batch`` wrote (a run's record): ``None`` for a batch of another kind;
+    a step that cannot take that batch computes otherwise (its digest says so)."""
+    batch = decode_batch(encoded)
+    if batch is None:
+        return None
+    try:
+        return trace(core, abstract_state, mesh, batch)
+    except Exception:  # any error of the user's code on the run's batch: another computation than the run's
+        return Computation("untraceable", encoded, arrays_digest(abstract_state))
+
+
 def program_digest(text: str) -> str:
     """The digest of a program's text without what says where it runs."""
     return _digest(_MESHES.sub("Mesh", _ADDRESSES.sub("", text)))

@@ -167,13 +167,8 @@ class ModeChecks:
         record); ``None`` for a batch of another kind or one the step cannot take."""
         key = repr(encoded)
         if key not in self._computations:
-            batch = fingerprint.decode_batch(encoded)
             mesh = self.plan.layout.mesh
-            try:
-                found = None if batch is None else fingerprint.trace(self.core, self.abstract_state, mesh, batch)
-            except Exception:  # another code that cannot take that batch: it computes otherwise
-                found = fingerprint.Computation("untraceable", encoded, fingerprint.arrays_digest(self.abstract_state))
-            self._computations[key] = found
+            self._computations[key] = fingerprint.trace_recorded(self.core, self.abstract_state, mesh, encoded)
         return self._computations[key]
 
     def evaluate(self, input, used: dict[str, str] | None = None):

@@ -113,7 +113,8 @@ class _Fitting:
             if recorded is None:
                 self._computations[key] = estimator.computation(task.input("train"))
             else:
-                self._computations[key] = _traced(estimator, recorded)
+                shapes = estimator.state_shapes()
+                self._computations[key] = fingerprint.trace_recorded(estimator.core, shapes, estimator.mesh, recorded)
         return self._computations[key]
 
     def _any_built(self, sets: dict) -> tuple:
@@ -137,16 +138,6 @@ class _Fitting:
             return ""  # recorded by an earlier release: the arrays decide
         now = self.computation(sets, None if self.args.command == "train" else before.batch)
         return "" if now is None else fingerprint.differences(before, now)
-
-
-def _traced(estimator, recorded) -> fingerprint.Computation | None:
-    batch = fingerprint.decode_batch(recorded)
-    if batch is None:
-        return None
-    try:
-        return fingerprint.trace(estimator.core, estimator.state_shapes(), estimator.mesh, batch)
-    except Exception:  # this code cannot take the batch the run trained on: it computes otherwise
-        return fingerprint.Computation("untraceable", recorded, fingerprint.arrays_digest(estimator.state_shapes()))
 
 
 def _estimator(args, task: task_lib.Task, config: RunConfig, model_dir: str):

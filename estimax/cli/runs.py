@@ -243,8 +243,8 @@ class RunChoice:
         reason = ""
         if trained:
             reason = f", as {trained[0][0]} was trained by another computation ({trained[0][1]})"
-        elif (existing := [run for run in runs(self.root) if run != self.model_dir]) and (
-            other := _readable(existing[-1])
-        ) not in (None, _DAMAGED):
-            reason = f", as {existing[-1]} was trained with other --set values ({describe(other.sets)})"
+        elif existing := [run for run in runs(self.root) if run != self.model_dir]:
+            other = _readable(existing[-1])
+            if other is not None and other is not _DAMAGED:
+                reason = f", as {existing[-1]} was trained with other --set values ({describe(other.sets)})"
         self.said = f"Run directory {self.model_dir}: a new run ({describe(self.sets)}){reason}."
