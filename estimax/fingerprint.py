@@ -32,11 +32,13 @@ _MESHES = re.compile(r"\b(?:Abstract)?Mesh\((?:[^()]|\([^()]*\))*\)|device_ids=\
 class Computation:
     """The fingerprint of a training step: ``digest`` of its program, ``batch`` (the shapes and
     dtypes it was traced on, as ``encode_batch`` writes them, ``None`` for a batch of another
-    kind) and ``arrays``, the digest of the state's array names and shapes."""
+    kind), ``arrays``, the digest of the state's array names and shapes, and ``evaluation``, the
+    digest of the eval-mode model_fn on the same batch (what an evaluation computes: no optimizer)."""
 
     digest: str
     batch: object
     arrays: str
+    evaluation: str = ""  # "": unknown
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -46,7 +48,8 @@ class Computation:
         """The ``Computation`` that ``to_json`` wrote, ``None`` for anything else."""
         if not isinstance(value, dict) or not all(isinstance(value.get(k), str) for k in ("digest", "arrays")):
             return None
-        return cls(value["digest"], value.get("batch"), value["arrays"])
+        evaluation = value.get("evaluation") if isinstance(value.get("evaluation"), str) else ""
+        return cls(value["digest"], value.get("batch"), value["arrays"], evaluation)
 
 
 def arrays_digest(abstract_state) -> str:
@@ -61,8 +64,10 @@ def trace(core, abstract_state, mesh, batch) -> Computation:
     of the global train batch, e.g. ``decode_batch`` of a recorded one)."""
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)  # any device count
     with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
-        jaxpr = jax.make_jaxpr(core.train_step)(unplaced, batch)
-    return Computation(program_digest(str(jaxpr)), encode_batch(batch), arrays_digest(abstract_state))
+        step = jax.make_jaxpr(core.train_step)(unplaced, batch)
+        evaluation = jax.make_jaxpr(core.eval_values)(unplaced, batch)
+    digests = program_digest(str(step)), program_digest(str(evaluation))
+    return Computation(digests[0], encode_batch(batch), arrays_digest(abstract_state), digests[1])
 
 
 def trace_recorded(core, abstract_state, mesh, encoded) -> Computation | None:
@@ -74,7 +79,7 @@ def trace_recorded(core, abstract_state, mesh, encoded) -> Computation | None:
     try:
         return trace(core, abstract_state, mesh, batch)
     except Exception:  # any error of the user's code on the run's batch: another computation than the run's
-        return Computation("untraceable", encoded, arrays_digest(abstract_state))
+        return Computation("untraceable", encoded, arrays_digest(abstract_state), "untraceable")
 
 
 def program_digest(text: str) -> str:
@@ -149,4 +154,14 @@ def differences(before: Computation, now: Computation) -> str:
         return f"shapes: the batch ({describe_batch(before.batch)} -> {describe_batch(now.batch)})"
     if before.digest != now.digest:
         return "code: the training step computes otherwise (the model, loss or optimizer), with the same arrays"
+    return ""
+
+
+def evaluation_differences(before: Computation, now: Computation) -> str:
+    """What differs for an evaluation (the optimizer does not enter it): the state's arrays, or the
+    eval-mode model_fn's code; ``""`` when nothing does or that of ``before`` is unknown."""
+    if before.arrays != now.arrays:
+        return ARRAYS_DIFFER
+    if before.evaluation and before.evaluation != now.evaluation:
+        return "code: the model_fn computes otherwise in eval mode (the model, loss or metrics)"
     return ""

@@ -7,7 +7,8 @@ were trained by it); the computation that made a step; the one line a
 training call says when it continues a run with another computation (it
 continues: a new learning rate for the rest of a run is a real need; the
 checkpoints it writes are the new computation's); and whether an
-evaluation may go into the run's history as the run's own. Does not own the
+evaluation may go into the run's history as the run's own (the model, loss
+and metrics in eval mode decide, not the optimizer). Does not own the
 fingerprint itself (``fingerprint.py``) nor the rest of the run directory
 (``run_dir.py``). A run without the file (trained by an earlier release)
 is taken as made by whatever evaluates it.
@@ -22,7 +23,7 @@ from collections.abc import Callable
 import jax
 
 from estimax import storage
-from estimax.fingerprint import Computation, differences
+from estimax.fingerprint import Computation, differences, evaluation_differences
 
 logger = logging.getLogger("estimax")
 
@@ -73,13 +74,14 @@ def continuing(run_dir, start: int, now: Computation | None) -> None:
 
 
 def foreign(run_dir, step: int, traced: Callable[[object], Computation | None]) -> str:
-    """What differs between the computation that made ``step`` of the run and this one (``traced(batch)``:
-    this Estimator's computation on a recorded batch), ``""`` when it is the same or unknown."""
+    """What differs between what evaluating ``step`` of the run computed in the computation that made it
+    and in this one (``traced(batch)``: this Estimator's computation on a recorded batch; its optimizer
+    does not count), ``""`` when it is the same or unknown."""
     before = made(history(run_dir), step)
     if before is None:
         return ""
     now = traced(before.batch)
-    return "" if now is None else differences(before, now)
+    return "" if now is None else evaluation_differences(before, now)
 
 
 def own_evaluation(run_dir, step: int, checkpoint, traced: Callable[[object], Computation | None]) -> bool:
@@ -91,8 +93,8 @@ def own_evaluation(run_dir, step: int, checkpoint, traced: Callable[[object], Co
     changed = foreign(run_dir, step, traced)
     if changed:
         logger.warning(
-            "The evaluation of step %d is not written into %s's history: the run was trained by another "
-            "computation (%s), so these results are this code's on its weights, not the run's own.",
+            "The evaluation of step %d is not written into %s's history: this code evaluates otherwise than the "
+            "code that trained that step (%s), so these results are this code's on its weights, not the run's own.",
             step, run_dir.url, changed,
         )  # fmt: skip
     return not changed

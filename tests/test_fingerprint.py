@@ -94,11 +94,12 @@ def test_continuing_a_run_with_another_computation_says_so_and_its_evaluations_s
     assert results["num_examples"] == 256
     said = [r.getMessage() for r in estimax_log.records if "not written into" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith(f"The evaluation of step 8 is not written into {model_dir}'s")
+    assert "(code: the model_fn computes otherwise in eval mode" in said[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not [
         line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"eval"' in line
     ]
-    # The code that made step 8 evaluates it as the run's own.
-    own = _estimator(model_dir, lr=0.05).evaluate(DATA)
+    # The model that made step 8 evaluates it as the run's own, whatever its optimizer.
+    own = _estimator(model_dir, lr=0.1).evaluate(DATA)
     evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [record for record in evals if record["split"] == "eval"]
     assert len(evals) == 1 and evals[0]["step"] == 8 and evals[0]["loss"] == pytest.approx(own["loss"])
