@@ -9,7 +9,8 @@ whether the model's matrix work runs in it: ``precision.check_matmuls``),
 also EVAL for ``train_and_evaluate`` (scalars where the input may pad a
 batch; the metric names that ``Best`` and early stopping refer to), EVAL for
 ``evaluate``, PREDICT for ``predict``; each mode and batch shape once per
-Estimator. Batch sizes are checked by ``data/plan.py``, writability by
+Estimator. ``train`` also takes the training step's fingerprint on the
+global batch (``fingerprint.py``), which the run records. Batch sizes are checked by ``data/plan.py``, writability by
 ``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
 """
 
@@ -147,6 +148,7 @@ class ModeChecks:
         """TRAIN mode, on micro-batches where gradients are accumulated; under ``compute_dtype``,
         whether the model's matrix work runs in it."""
         batch, input = peek(input)
+        self.computation = None  # unknown for an input whose first batch cannot be read ahead
         if batch is not None:
             micro_batch_size = self.plan.global_batch(TRAIN) // self.core.grad_accum_steps
             dtype = self.core.compute_dtype
