@@ -228,8 +228,8 @@ class Estimator:
 
     def computation(self, input) -> Computation | None:
         """What this Estimator's training step computes on ``input``'s batches, traced abstractly
-        (``estimax.fingerprint.Computation``); ``None`` for batches that are not dicts, tuples and arrays,
-        or an input whose first batch cannot be read again (a plain iterator: use an ``estimax.data`` input)."""
+        (``estimax.fingerprint.Computation``); ``None`` for batches that are not dicts, tuples and arrays.
+        It reads the first batch: pass an input that can be read again (``estimax.data``), not a plain iterator."""
         self._checks.train(input)
         return self._checks.computation
 
