@@ -231,7 +231,7 @@ class Estimator:
         (``estimax.fingerprint.Computation``); ``None`` for batches that are not dicts, tuples and arrays.
         It reads the first batch: pass an input that can be read again (``estimax.data``), not a plain iterator."""
         self._checks.train(input)
-        return self._checks.computation
+        return self._checks.computation()
 
     # -- evaluate and predict --------------------------------------------------
     @calls.one_thread_at_a_time

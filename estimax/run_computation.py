@@ -53,10 +53,14 @@ def made(entries: list[tuple[int, Computation]], step: int) -> Computation | Non
     return before[-1] if before else None
 
 
-def continuing(run_dir, start: int, now: Computation | None) -> None:
+def continuing(run_dir, start: int, computation: Callable[[], Computation | None] | None) -> None:
     """Before a training call trains from ``start``: says in one line when the state there was made by
-    another computation, and (process 0, holding the run's lock) records ``now`` from ``start`` on."""
-    if now is None or run_dir.url is None:
+    another computation, and (process 0, holding the run's lock) records ``computation()`` from ``start``
+    on. Nothing is traced without a model_dir."""
+    if computation is None or run_dir.url is None:
+        return
+    now = computation()
+    if now is None:
         return
     entries = history(run_dir)
     before = made(entries, start)

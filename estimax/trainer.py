@@ -78,7 +78,7 @@ class Trainer:
     ) -> TrainingLoop | None:
         """Trains over ``input`` for ``lengths`` (``(max_steps, steps, epochs)``, one of them set);
         returns the loop that ran, or ``None`` when the state is already at the target step. ``hooks``:
-        as ``hooks()`` gave them; ``computation``: the training step's fingerprint, which the run records."""
+        as ``hooks()`` gave them; ``computation()``: the training step's fingerprint, which the run records."""
         self.plan.check(TRAIN, EVAL, PREDICT)
         with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
             return self._train(input, lengths, hooks, evaluation, computation)
