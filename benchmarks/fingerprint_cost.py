@@ -1,14 +1,15 @@
 """What a run's fingerprint costs: one abstract trace of the training step, per call that trains or picks a run.
 
-``estimax.fingerprint.trace`` runs ``jax.make_jaxpr`` of ``Core.train_step`` on the state's and the
-global train batch's shapes (nothing compiled, allocated or run), then hashes the program's text.
-It also times the other trace ``estimax train`` now makes before step 1, the eval mode's
-(``Estimator.check(ex.EVAL, input)`` on an input of 256 examples), which the command line's
-``train`` used to make only after training. For three models (the 2-16-3 MLP of the command-line tests, the MNIST task's CNN at batch 128, the
-byte transformer of the ``lm`` task at its default sizes) it prints one JSON line: the first trace in
-the process, the median of 5 more, the program's size in characters, and beside them the time XLA
-takes to compile the same step (``jax.jit(train_step).lower(...).compile()``), the cost a trace is
-small against. Run: ``python benchmarks/fingerprint_cost.py``.
+``estimax.fingerprint.trace`` runs ``jax.make_jaxpr`` of ``Core.train_step`` (and of the eval-mode
+model_fn) on the state's and the global train batch's shapes (nothing compiled, allocated or run),
+then hashes the programs' text. It also times the other trace ``estimax train`` now makes before
+step 1, the eval mode's (``Estimator.check(ex.EVAL, input)`` on an input of 256 examples), which the
+command line's ``train`` used to make only after training. For three models (the 2-16-3 MLP of the
+command-line tests, the MNIST task's CNN at batch 128, the byte transformer of the ``lm`` task at its
+default sizes) it prints one JSON line: the first trace in the process, the median of 5 more, the
+program's size in characters, and beside them the time XLA takes to compile the same step
+(``jax.jit(train_step).lower(...).compile()``), the cost a trace is small against.
+Run: ``python benchmarks/fingerprint_cost.py``.
 """
 
 from __future__ import annotations
