@@ -15,7 +15,7 @@ from typing import Any, overload
 import jax
 import optax
 
-from estimax import assembly, calls, eval_sets, validation
+from estimax import assembly, calls, eval_sets, run_computation, validation
 from estimax import config as config_lib
 from estimax import follow as follow_lib
 from estimax import host_metrics as host_metrics_lib
@@ -24,6 +24,7 @@ from estimax.config import Best, RunConfig
 from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.fingerprint import Computation
 from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
@@ -31,6 +32,7 @@ from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase
+from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.step import Core
 from estimax.warm_start import WarmStart
 
@@ -159,7 +161,9 @@ class Estimator:
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
         """
         input = self._checks.train(input)
-        self._trainer.train(input, (max_steps, steps, epochs), self._trainer.hooks(hooks))
+        self._trainer.train(
+            input, (max_steps, steps, epochs), self._trainer.hooks(hooks), computation=self._checks.computation
+        )
         return self
 
     @overload
@@ -229,10 +233,28 @@ class Estimator:
             tuple(sets),
             best_set,
         )
-        loop = self._trainer.train(train_input, (max_steps, None, epochs), hooks, evaluation)
+        loop = self._trainer.train(
+            train_input, (max_steps, None, epochs), hooks, evaluation, computation=self._checks.computation
+        )
         if loop is None:  # nothing left to train: the current state's evaluation
             return self.evaluate(eval_sets.returned(sets))
         return loop.last_metrics
+
+    def check(self, mode: str, input):
+        """Traces the model_fn abstractly in ``mode`` (``ex.TRAIN``, ``ex.EVAL``, ``ex.PREDICT``) on the
+        first batch of ``input``, as that call does before its first step: nothing is compiled or run.
+        Returns the input to use from now on (an iterator's first batch is put back)."""
+        checks = {TRAIN: self._checks.train, EVAL: self._checks.evaluate, PREDICT: self._checks.predict}
+        if mode not in checks:
+            raise ConfigError(f"Estimator.check(mode={mode!r}); expected ex.TRAIN, ex.EVAL or ex.PREDICT.")
+        return checks[mode](input)
+
+    def computation(self, input) -> Computation | None:
+        """What this Estimator's training step computes on ``input``'s batches, traced abstractly
+        (``estimax.fingerprint.Computation``); ``None`` for batches that are not dicts, tuples and arrays.
+        It reads the first batch: pass an input that can be read again (``estimax.data``), not a plain iterator."""
+        self._checks.train(input)
+        return self._checks.computation()
 
     # -- evaluate and predict --------------------------------------------------
     @overload
@@ -278,8 +300,10 @@ class Estimator:
         sets = eval_sets.named(input, "evaluate(input=...)")
         sets = {name: self._checks.evaluate(one) for name, one in sets.items()}  # all checked before any runs
         state = self._at(checkpoint, "evaluate")
+        step = int(jax.device_get(state.step))  # host sync: the step of the state evaluated
+        own = run_computation.own_evaluation(self.run_dir, step, checkpoint, self._checks.computation_on)
         results = {
-            name: self._evaluate_set(name, one, state, steps=steps, host_metrics=host_metrics, record=True)
+            name: self._evaluate_set(name, one, state, steps=steps, host_metrics=host_metrics, record=own)
             for name, one in sets.items()
         }
         return eval_sets.returned(results)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from estimax import counting, eval_sets, resize, validation
+from estimax import counting, eval_sets, resize, run_computation, validation
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
 from estimax.call_writers import CallWriters
@@ -83,16 +83,16 @@ class Trainer:
         )
 
     def train(
-        self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None
+        self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None, computation=None
     ) -> TrainingLoop | None:
         """Trains over ``input`` for ``lengths`` (``(max_steps, steps, epochs)``, one of them set);
         returns the loop that ran, or ``None`` when the state is already at the target step. ``hooks``:
-        as ``hooks()`` gave them."""
+        as ``hooks()`` gave them; ``computation()``: the training step's fingerprint, which the run records."""
         self.plan.check(TRAIN, EVAL, PREDICT)
         with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
-            return self._train(input, lengths, hooks, evaluation)
+            return self._train(input, lengths, hooks, evaluation, computation)
 
-    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None):
+    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None, computation):
         state = self.current.current()
         if jax.process_count() > 1:
             self.sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
@@ -102,6 +102,7 @@ class Trainer:
         if start >= target:
             logger.info("Already at step %d >= %d: nothing to train.", start, target)
             return None
+        run_computation.continuing(self.run_dir, start, computation)  # says when it is another computation
         restored = self.current.restored if self.current.origin == "restored" else None
         resized = resize.resumed(self.plan, input, restored, self.shape, start, self.run_dir.records)
         # Before any writer opens: an input that cannot continue from here is refused with nothing written.

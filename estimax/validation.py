@@ -9,8 +9,10 @@ whether the model's matrix work runs in it: ``precision.check_matmuls``),
 also EVAL for ``train_and_evaluate`` (scalars where the input may pad a
 batch; the metric names that ``Best`` and early stopping refer to), EVAL for
 ``evaluate``, PREDICT for ``predict``; each mode and batch shape once per
-Estimator. Batch sizes are checked by ``data/plan.py``, writability by
-``lock.py``, a model_fn's errors are retold by ``diagnose.py``.
+Estimator. ``computation`` traces the training step's fingerprint on the
+global batch ``train`` saw (``fingerprint.py``), which the run records.
+Batch sizes are checked by ``data/plan.py``, writability by ``lock.py``, a
+model_fn's errors are retold by ``diagnose.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
-from estimax import eval_sets, precision
+from estimax import eval_sets, fingerprint, precision
 from estimax import metrics as metrics_lib
 from estimax.config import Best
 from estimax.data import checks
@@ -141,6 +143,8 @@ class ModeChecks:
     def __init__(self, core, abstract_state, plan):
         self.core, self.abstract_state, self.plan = core, abstract_state, plan
         self._traced: dict = {}  # (mode, batch shapes) -> what tracing gave: each is traced once
+        self._computations: dict = {}  # an encoded train batch -> the training step's fingerprint on it
+        self._train_batch = None  # the encoded global batch of the last input train() checked
 
     def _trace(self, mode: str, fn, batch, batch_size: int, inspect=None):
         """``fn``'s abstract outputs on ``batch``; ``inspect(jaxpr)`` reads the program when it is first traced."""
@@ -157,6 +161,7 @@ class ModeChecks:
         """TRAIN mode, on micro-batches where gradients are accumulated; under ``compute_dtype``,
         whether the model's matrix work runs in it."""
         batch, input = peek(input)
+        self._train_batch = None  # unknown for an input whose first batch cannot be read ahead
         if batch is not None:
             micro_batch_size = self.plan.global_batch(TRAIN) // self.core.grad_accum_steps
             dtype = self.core.compute_dtype
@@ -167,7 +172,22 @@ class ModeChecks:
                 micro_batch_size,
                 inspect=None if dtype is None else lambda jaxpr: precision.check_matmuls(jaxpr, dtype),
             )
+            self._train_batch = fingerprint.encode_batch(abstract_batch(batch, self.plan.global_batch(TRAIN)))
         return input
+
+    def computation(self) -> fingerprint.Computation | None:
+        """The fingerprint of the training step on the last input ``train`` checked, traced when first
+        asked for (a run without model_dir records none)."""
+        return None if self._train_batch is None else self.computation_on(self._train_batch)
+
+    def computation_on(self, encoded) -> fingerprint.Computation | None:
+        """The fingerprint of the training step on a batch ``fingerprint.encode_batch`` wrote (a run's
+        record); ``None`` for a batch of another kind or one the step cannot take."""
+        key = repr(encoded)
+        if key not in self._computations:
+            mesh = self.plan.layout.mesh
+            self._computations[key] = fingerprint.trace_recorded(self.core, self.abstract_state, mesh, encoded)
+        return self._computations[key]
 
     def evaluate(self, input, used: dict[str, str] | None = None):
         """EVAL mode: values that padding would corrupt (scalars) where the input may pad a batch,

@@ -134,7 +134,10 @@ def test_a_changed_model_is_a_new_run_and_a_run_remembers_its_set_values(tmp_pat
         TASK.replace("nnx.Linear(hidden, 3, rngs=rngs)", "nnx.Linear(hidden, 3, use_bias=False, rngs=rngs)")
     )
     third = _ok("train", "blobs.py", cwd=tmp_path)
-    assert f"The model changed since {runs}/blobs was trained: a new run in {runs}/blobs-3" in third
+    assert (
+        f"Run directory {runs}/blobs-3: a new run (no --set values), as {runs}/blobs was trained by another "
+        "computation (shapes: the state's arrays" in third
+    )
     assert sorted(os.listdir(runs)) == ["blobs", "blobs-2", "blobs-3"] and _params(runs / "blobs")[0] == 4
     # Under an explicit --model-dir the refusal stays, and its fix names the flags...
     line = _refused("train", "blobs.py", "--model-dir", "runs/blobs", cwd=tmp_path)
@@ -222,3 +225,68 @@ def test_every_predict_input_file_a_user_hands_over_gets_one_line_naming_it(tmp_
     assert "1000 predictions; written to many.jsonl" in said and "Generating" not in said
     lines = (tmp_path / "many.jsonl").read_text().splitlines()
     assert [json.loads(line)["index"] for line in lines] == list(range(1000))
+
+
+def _eval_records(model_dir):
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    return [record for record in map(json.loads, lines) if record["split"] == "eval"]
+
+
+def test_an_edit_of_the_computation_is_a_new_run_and_evaluate_takes_the_run_that_fits(tmp_path):
+    """The user's loop: relu -> gelu keeps every array but is another run, named in one line; the relu run's
+    history stays its own; after the revert, evaluate takes the relu run, not the newer gelu one."""
+    task = tmp_path / "blobs.py"
+    task.write_text(TASK)
+    runs = tmp_path / "runs"
+    _ok("train", "blobs.py", cwd=tmp_path)
+    relu_evals = _eval_records(runs / "blobs")
+
+    task.write_text(TASK.replace("nnx.relu(", "nnx.gelu("))
+    gelu = _ok("train", "blobs.py", cwd=tmp_path)
+    assert (
+        f"Run directory {runs}/blobs-2: a new run (no --set values), as {runs}/blobs was trained by another "
+        "computation (code: the training step computes otherwise (the model, loss or optimizer), with the same "
+        "arrays)." in gelu
+    )
+    assert "after 4 steps" in gelu and _eval_records(runs / "blobs") == relu_evals  # nothing of gelu's there
+    computations = [json.loads((runs / run / "cli.json").read_text())["computation"] for run in ("blobs", "blobs-2")]
+    assert (
+        computations[0]["arrays"] == computations[1]["arrays"]
+        and computations[0]["digest"] != computations[1]["digest"]
+    )
+
+    task.write_text(TASK)  # reverted
+    evaluated = _ok("evaluate", "blobs.py", cwd=tmp_path)
+    assert (
+        f"Using {runs}/blobs, the latest run this code fits (no --set values); newer runs differ: {runs}/blobs-2 "
+        "(code: " in evaluated
+    )
+    # Its results are the relu run's weights under relu: the reference is numpy on the weights Orbax reads.
+    results = json.loads(evaluated.strip().splitlines()[-1])
+    step, params = _params(runs / "blobs")
+    rng = np.random.default_rng(1)  # eval_input: _blobs(1)
+    labels = rng.integers(0, 3, 192)
+    x = np.array([[0.0, 3.0], [3.0, -2.0], [-3.0, -2.0]])[labels] + rng.standard_normal((192, 2)).astype(np.float32)
+    hidden = np.maximum(x @ params["hidden"]["kernel"]["value"] + params["hidden"]["bias"]["value"], 0)
+    logits = hidden @ params["out"]["kernel"]["value"] + params["out"]["bias"]["value"]
+    assert step == 4 and results["accuracy"] == pytest.approx(np.mean(logits.argmax(-1) == labels))
+    # Training the reverted code continues the relu run, which is done.
+    again = _ok("train", "blobs.py", cwd=tmp_path)
+    assert f"Run directory {runs}/blobs: continuing the run (no --set values)." in again
+    assert "Already at step 4 >= 4" in again
+
+    # Code that trained no run: evaluate names each run and what differs, in one line.
+    task.write_text(TASK.replace("nnx.relu(", "nnx.tanh("))
+    line = _refused("evaluate", "blobs.py", cwd=tmp_path)
+    assert line.startswith(f"estimax: error: No run under {runs}/blobs fits this code (no --set values): ") and (
+        f"{runs}/blobs-2: code: " in line and f"{runs}/blobs: code: " in line and "Fix: `estimax train` first" in line
+    ), line
+
+
+def test_train_refuses_a_mean_loss_in_eval_mode_before_step_1(tmp_path):
+    mean = TASK.replace("loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)", "loss = optax."
+                        "softmax_cross_entropy_with_integer_labels(logits, labels).mean()")  # fmt: skip
+    (tmp_path / "blobs.py").write_text(mean)
+    line = _refused("train", "blobs.py", "--eval-batch-size", "40", cwd=tmp_path)  # 192 = 4 x 40 + 32 (padded)
+    assert "model_fn returned scalar ['loss'] in eval mode" in line, line
+    assert not (tmp_path / "runs" / "blobs" / "checkpoints").exists()  # refused before step 1

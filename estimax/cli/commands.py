@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import time
 
 import jax
 
-from estimax import compile_cache, distributed, storage
+from estimax import compile_cache, distributed, fingerprint, storage
 from estimax.cli import predict_file, runs
 from estimax.cli import task as task_lib
 from estimax.cli.flags import RUN_FLAGS, with_fsdp
@@ -31,7 +30,7 @@ from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import CheckpointError, ConfigError, ModelFnError
 from estimax.follow import FollowPolicy
-from estimax.state import leaf_names
+from estimax.spec import EVAL
 from estimax.warm_start import WarmStart
 
 logger = logging.getLogger("estimax")
@@ -74,28 +73,78 @@ def run(args: argparse.Namespace) -> int:
     root = storage.resolve(args.model_dir or defaults.get("model_dir") or os.path.join("runs", task.name))
     typed = functools.partial(task_lib.override, task.module.params)  # --set values (text) -> the params
     choice = runs.RunChoice(root, args.model_dir is not None, args.command == "train", typed, given)
-    task, config = task.with_sets(choice.sets), RunConfig(**settings)
-    estimator = _estimator(args, task, config, choice.model_dir)
-    trained, digest = estimator.run_dir.checkpoints.latest_step() is not None, state_digest(estimator)
-    if choice.rechoose(digest, trained):  # a changed model: a new run
-        estimator = _estimator(args, task, config, choice.model_dir)
-    if args.command == "train" and first:
-        runs.write(choice.model_dir, runs.Remembered(choice.sets, runs.as_json(task.params), digest))
+    fitting = _Fitting(args, task, RunConfig(**settings))
     with _naming_set(args.set, "the model_fn fails", only=ModelFnError):
+        choice.settle(fitting.differs)  # the run this code trained, or a new one
+        task, estimator = fitting.built(choice.model_dir, choice.sets)
+        if choice.said:  # once an Estimator is built: its console shows the line
+            logger.info("%s", choice.said)
+        if args.command == "train" and first:
+            step = fitting.computation(choice.sets)
+            arrays, step = fitting.arrays(choice.sets), step.to_json() if step is not None else None
+            runs.write(choice.model_dir, runs.Remembered(choice.sets, runs.as_json(task.params), arrays, step))
         return COMMANDS[args.command](args, task, estimator, first)
+
+
+class _Fitting:
+    """Builds the Estimator of a run directory and ``--set`` values, and says what differs between a
+    run and this code (its arrays; its training step on the train input, or on the batch the run
+    recorded for the commands that do not train). The last Estimator built is kept for the command."""
+
+    def __init__(self, args, task: task_lib.Task, config: RunConfig):
+        self.args, self.task, self.config = args, task, config
+        self._last: tuple | None = None  # (model_dir, sets, task, estimator)
+        self._computations: dict = {}  # (sets, the recorded batch) -> this code's Computation on it
+
+    def built(self, model_dir: str, sets: dict) -> tuple:
+        """``(task, estimator)`` with ``sets`` in ``model_dir``."""
+        if self._last is None or self._last[:2] != (model_dir, sets):
+            task = self.task.with_sets(sets)
+            self._last = (model_dir, sets, task, _estimator(self.args, task, self.config, model_dir))
+        return self._last[2:]
+
+    def arrays(self, sets: dict) -> str:
+        return fingerprint.arrays_digest(self._any_built(sets)[1].state_shapes())
+
+    def computation(self, sets: dict, recorded=None) -> fingerprint.Computation | None:
+        """This code's training step on the train input, or on ``recorded`` (an encoded batch) if given."""
+        key = (json.dumps(sets, sort_keys=True), json.dumps(recorded, sort_keys=True))
+        if key not in self._computations:
+            task, estimator = self._any_built(sets)
+            if recorded is None:
+                self._computations[key] = estimator.computation(task.input("train"))
+            else:
+                shapes = estimator.state_shapes()
+                self._computations[key] = fingerprint.trace_recorded(estimator.core, shapes, estimator.mesh, recorded)
+        return self._computations[key]
+
+    def _any_built(self, sets: dict) -> tuple:
+        """An Estimator of ``sets``, in whichever run directory: it does not change what it computes."""
+        if self._last is not None and self._last[1] == sets:
+            return self._last[2:]
+        return self.built(self._last[0] if self._last is not None else self.args.model_dir, sets)
+
+    def differs(self, run: str, sets: dict) -> str:
+        """What differs between what trained ``run`` and this code with ``sets``; ``""``: it fits."""
+        record = runs.read(run)
+        _, estimator = self.built(run, sets)
+        if estimator.run_dir.checkpoints.latest_step() is None:
+            return runs.UNTRAINED
+        if record is None:
+            return ""  # trained without the command line: taken as it is
+        if record.state != self.arrays(sets):
+            return fingerprint.ARRAYS_DIFFER
+        before = fingerprint.Computation.from_json(record.computation)
+        if before is None:
+            return ""  # recorded by an earlier release: the arrays decide
+        now = self.computation(sets, None if self.args.command == "train" else before.batch)
+        return "" if now is None else fingerprint.differences(before, now)
 
 
 def _estimator(args, task: task_lib.Task, config: RunConfig, model_dir: str):
     warm_start = WarmStart(args.warm_start) if getattr(args, "warm_start", None) else None
     with _naming_set(args.set, "the model cannot be built"):
         return task.estimator(dataclasses.replace(config, model_dir=model_dir), warm_start=warm_start)
-
-
-def state_digest(estimator) -> str:
-    """The names and shapes of the arrays of the estimator's state (what a checkpoint must fit), as a digest."""
-    shapes = estimator.state_shapes()
-    rows = [f"{name} {leaf.shape}" for name, leaf in zip(leaf_names(shapes), jax.tree.leaves(shapes), strict=True)]
-    return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -123,6 +172,8 @@ def train(args, task, estimator, first: bool) -> int:
             f"--profile-steps {profile[0]}:{profile[1]} starts at or after max_steps {length['max_steps']}."
         )
     train_input, eval_input = task.input("train"), task.input("eval")
+    if not eval_every:  # it evaluates after training: its eval mode is traced before step 1 too
+        eval_input = estimator.check(EVAL, eval_input)
     start = time.perf_counter()
     if eval_every:
         results = estimator.train_and_evaluate(train_input, eval_input, eval_every_steps=eval_every, **length)
