@@ -30,6 +30,9 @@ COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 """The dtypes ``RunConfig(compute_dtype=...)`` may run the model in (``precision.py``)."""
 DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, small biases) stay whole on every device
 DIRECTIONS = ("max", "min")
+EMA_WARMUPS = ("ramp", "debias", "none")
+"""The warm-ups of the parameter average ``RunConfig(ema_warmup=...)`` takes (``averaging.py``)."""
+EVAL_WEIGHTS = ("average", "raw")
 # Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
 _LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
@@ -256,6 +259,15 @@ class RunConfig:
       sync_timeout_seconds: with several processes, how long the barriers before
         the first loop and at checkpoints wait for every process before raising
         an error that names the late ones (``estimax.distributed.Sync``).
+      ema_decay: keep an exponential moving average of the parameters with this
+        decay in (0, 1), e.g. 0.999, updated in every step and saved with the
+        checkpoints (``averaging.py``); ``None`` (default): none is kept.
+      ema_warmup: how the average starts: ``"ramp"`` (decay ``min(ema_decay,
+        (1+n)/(10+n))`` at step ``n``, TF's), ``"debias"`` (optax's bias
+        correction) or ``"none"`` (the constant decay from the initial parameters).
+      eval_weights: ``"average"`` or ``"raw"``: the weights that evaluation, the best
+        checkpoint's choice, prediction, ``model()`` and export use; ``None``
+        (default): the average where one is kept.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -281,6 +293,9 @@ class RunConfig:
     trackers: tuple = ()
     compilation_cache: str | os.PathLike | None = None
     tokens_per_example: int | None = None
+    ema_decay: float | None = None
+    ema_warmup: str = "ramp"
+    eval_weights: str | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -326,6 +341,7 @@ class RunConfig:
         if self.loop not in LOOP_KINDS:
             raise ConfigError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
         check_compute_dtype(self.compute_dtype)
+        self._check_average()
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
         _set(self, "fsdp_min_bytes", _integer("RunConfig", "fsdp_min_bytes", self.fsdp_min_bytes))
@@ -364,6 +380,26 @@ class RunConfig:
                 "keys and the input's shuffling). Fix: a seed in that range, e.g. seed=0."
             )
         _set(self, "seed", seed)
+
+    def _check_average(self) -> None:
+        """``ema_decay`` in (0, 1) or None, a known warm-up, and weights to evaluate that exist."""
+        if self.ema_decay is not None:
+            decay = _check_number("RunConfig", "ema_decay", self.ema_decay, minimum=float("-inf"))
+            if not 0 < decay < 1:
+                raise ConfigError(
+                    f"RunConfig(ema_decay={self.ema_decay!r}) is outside (0, 1); expected the decay of the parameter "
+                    "average, e.g. 0.999 (an average over about 1000 steps), or None to keep none."
+                )
+            _set(self, "ema_decay", decay)
+        for name, allowed in (("ema_warmup", EMA_WARMUPS), ("eval_weights", EVAL_WEIGHTS)):
+            value = getattr(self, name)
+            if value not in allowed and not (name == "eval_weights" and value is None):
+                raise ConfigError(f"RunConfig({name}={value!r}); expected one of {allowed}.")
+        if self.eval_weights == "average" and self.ema_decay is None:
+            raise ConfigError(
+                "RunConfig(eval_weights='average') but ema_decay=None: no parameter average is kept. Fix: set "
+                "ema_decay (e.g. 0.999), or leave eval_weights out to evaluate the raw weights."
+            )
 
     @property
     def global_eval_batch_size(self) -> int:

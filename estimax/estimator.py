@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import optax
 
-from estimax import assembly, calls, validation
+from estimax import assembly, averaging, calls, validation
 from estimax import config as config_lib
 from estimax import host_metrics as host_metrics_lib
 from estimax.config import Best, RunConfig
@@ -87,8 +87,9 @@ class Estimator:
         return self._current.current()
 
     def _at(self, checkpoint: int | str | None, what: str):
+        """The state a verb uses, its ``params`` the weights ``RunConfig.eval_weights`` chooses."""
         calls.check_step(self.run_dir.checkpoints, checkpoint, what)
-        return self._current.at(checkpoint, what)
+        return averaging.chosen(self._current.at(checkpoint, what), averaging.evaluates_average(self.config))
 
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
@@ -254,9 +255,16 @@ class Estimator:
         return self._evaluator.states(input, state, steps=steps)[0]
 
     def _evaluate(self, input, state, *, steps=None, should_stop=None, host_metrics: Callable | None = None):
-        return self._evaluator.results(
-            input, state, steps=steps, should_stop=should_stop, host_metrics=host_metrics or self._host_metrics
+        """The results of ``state``'s chosen weights; with the average, ``ema_decay`` says so in its records."""
+        average = averaging.evaluates_average(self.config)
+        results = self._evaluator.results(
+            input,
+            averaging.chosen(state, average),
+            steps=steps,
+            should_stop=should_stop,
+            host_metrics=host_metrics or self._host_metrics,
         )
+        return results if results is None or not average else {**results, "ema_decay": self.config.ema_decay}
 
     @calls.one_thread_at_a_time
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:

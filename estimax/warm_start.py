@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from estimax import averaging
 from estimax import checkpoint as checkpoint_lib
 from estimax import storage
 from estimax.errors import CheckpointError
@@ -110,7 +111,7 @@ class WarmStart:
                     for s, t in zip(leaves, target, strict=True)
                 ],
             )
-        return state._replace(params=params, opt_state=opt_state)
+        return averaging.restarted(state._replace(params=params, opt_state=opt_state))  # the average starts here
 
     def _plan(self, target: dict[str, tuple], source: dict[str, np.ndarray]) -> Plan:
         loaded, initialised, used = [], [], set()
