@@ -20,9 +20,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from estimax import averaging
+from estimax import averaging, storage
 from estimax import checkpoint as checkpoint_lib
-from estimax import storage
 from estimax.errors import CheckpointError
 from estimax.state import leaf_names
 
