@@ -72,10 +72,12 @@ def chosen(state, average: bool):
     return state._replace(params=state.average) if average and state.average is not None else state
 
 
-def restarted(state):
-    """``state`` with its average equal to its parameters (a fresh or warm-started state); copies,
-    so that donating the state donates distinct buffers."""
-    return state if state.average is None else state._replace(average=jax.tree.map(jnp.copy, state.params))
+def restarted(state, keeps: bool | None = None):
+    """``state`` with its average equal to its parameters (a fresh or warm-started state) where it
+    ``keeps`` one (default: where it holds one); copies, so that donating the state donates distinct
+    buffers."""
+    keeps = state.average is not None if keeps is None else keeps
+    return state._replace(average=jax.tree.map(jnp.copy, state.params)) if keeps else state
 
 
 def restore_target(abstract_state, saved_names) -> object:
@@ -100,7 +102,7 @@ def as_wanted(state, abstract_state, where: str):
             "parameters now.",
             where,
         )
-        return restarted(state)
+        return restarted(state, keeps=True)
     if abstract_state.average is None and state.average is not None:
         logger.info("%s holds a parameter average; this run keeps none (ema_decay=None): it is not used.", where)
         return state._replace(average=None)

@@ -33,6 +33,7 @@ DIRECTIONS = ("max", "min")
 EMA_WARMUPS = ("ramp", "debias", "none")
 """The warm-ups of the parameter average ``RunConfig(ema_warmup=...)`` takes (``averaging.py``)."""
 EVAL_WEIGHTS = ("average", "raw")
+"""The weights ``RunConfig(eval_weights=...)`` may choose for evaluation, prediction and export."""
 # Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
 _LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
