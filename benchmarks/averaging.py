@@ -7,9 +7,9 @@ warm-up). Each one's device loop (``Core.train_loop``: a ``lax.scan`` of
 donated, as training runs it) runs the same stacked batches; timed windows
 alternate between the two, and each round gives the ratio of their times.
 
-- ``mlp``: the 784-64-10 MLP of ``loops.py`` (batch 32, SGD), 50 steps per loop;
+- ``mlp``: the 784-64-10 MLP of ``loops.py`` (batch 32, SGD), 50 steps per loop, 40 loops per window;
 - ``lm``: the byte transformer of ``estimax.examples.lm`` at its default size
-  (2 layers, width 128, 128 bytes of context, batch 16, AdamW), 10 steps per loop.
+  (2 layers, width 128, 128 bytes of context, batch 16, AdamW), 10 steps per loop, 2 loops per window.
 
 Run: ``python benchmarks/averaging.py [--workloads mlp,lm] [--rounds 7]``. Prints one JSON
 line per workload: steps/s of each (best window) and ``ema_time_ratio`` (min, median, max over
@@ -50,25 +50,26 @@ def lm_estimators(ema_decay):
     est = lm.estimator(ex.RunConfig(train_batch_size=16, quiet=True, ema_decay=ema_decay, num_devices=1))
     rng = np.random.default_rng(0)
     windows = rng.integers(0, 256, (4096, lm.MODEL["seq_len"] + 1)).astype(np.int32)
-    return est, ({"bytes": windows[:, :-1]}, windows[:, 1:]), 10, 4
+    return est, ({"bytes": windows[:, :-1]}, windows[:, 1:]), 10, 2
 
 
 WORKLOAD_BUILDERS = {"mlp": mlp_estimators, "lm": lm_estimators}
+
+
+def _stack(features, labels, index: int, k: int, est):
+    """The ``index``-th stack of ``k`` training batches of ``est``, on its devices."""
+    batch = est.config.train_batch_size
+    rows = np.arange(index * k * batch, (index + 1) * k * batch) % len(labels)
+    stack = jax.tree.map(lambda a: a[rows].reshape(k, batch, *a.shape[1:]), (features, labels))
+    return jax.device_put(stack, est.layout.stack)
 
 
 def benchmark(name: str, rounds: int) -> dict:
     runs = {}
     for kind, decay in (("raw", None), ("ema", DECAY)):
         est, (features, labels), k, num_loops = WORKLOAD_BUILDERS[name](decay)
-        batch = est.config.train_batch_size
-        stacks = []
-        for i in range(4):  # four different stacks of k batches, reused in turn
-            rows = np.arange(i * k * batch, (i + 1) * k * batch) % len(labels)
-            stack = jax.tree.map(lambda a, rows=rows: a[rows].reshape(k, batch, *a.shape[1:]), (features, labels))
-            stacks.append(jax.device_put(stack, est.layout.stack))
-        loop = jax.jit(
-            est.core.train_loop, in_shardings=(est.layout.state, est.layout.stack), donate_argnums=0
-        )
+        stacks = [_stack(features, labels, i, k, est) for i in range(4)]  # reused in turn
+        loop = jax.jit(est.core.train_loop, in_shardings=(est.layout.state, est.layout.stack), donate_argnums=0)
         state = jax.tree.map(lambda x: x.copy(), est.state())
         runs[kind] = {"loop": loop, "state": state, "stacks": stacks, "num_loops": num_loops, "k": k}
 
