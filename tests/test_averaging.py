@@ -230,3 +230,17 @@ def test_a_model_without_an_average_keeps_none_and_logs_nothing_of_it(caplog):
     with caplog.at_level(logging.WARNING):
         est.train(_train_input(), max_steps=2)
     assert est.state().average is None and est.sharding_plan().totals["average"] == 0
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_the_command_line_keeps_evaluates_and_leaves_out_the_average(tmp_path):
+    from test_cli import _estimax
+
+    model_dir = str(tmp_path / "run")
+    _estimax("train", "--model-dir", model_dir, "--max-steps", "10", "--steps-per-loop", "5", "--ema-decay", "0.9")
+    averaged = json.loads(_estimax("evaluate", "--model-dir", model_dir, "--ema-decay", "0.9").splitlines()[-1])
+    raw = json.loads(_estimax("evaluate", "--model-dir", model_dir).splitlines()[-1])  # a run keeping none
+    assert averaged["ema_decay"] == 0.9 and "ema_decay" not in raw and averaged["loss"] != raw["loss"]
+    assert [r.get("ema_decay") for r in _records(model_dir, "eval")] == [0.9, None]

@@ -91,8 +91,9 @@ def _estimator(args, task: task_lib.Task, config: RunConfig, model_dir: str):
 
 
 def state_digest(estimator) -> str:
-    """The names and shapes of the arrays of the estimator's state (what a checkpoint must fit), as a digest."""
-    shapes = estimator.state_shapes()
+    """The names and shapes of the arrays of the estimator's state (what a checkpoint must fit), as a digest;
+    without the parameter average, which a checkpoint may hold or not (``averaging.py``)."""
+    shapes = estimator.state_shapes()._replace(average=None)
     rows = [f"{name} {leaf.shape}" for name, leaf in zip(leaf_names(shapes), jax.tree.leaves(shapes), strict=True)]
     return hashlib.sha256("\n".join(rows).encode()).hexdigest()[:16]
 
