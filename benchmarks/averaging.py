@@ -13,7 +13,8 @@ alternate between the two, and each round gives the ratio of their times.
 
 Run: ``python benchmarks/averaging.py [--workloads mlp,lm] [--rounds 7]``. Prints one JSON
 line per workload: steps/s of each (best window) and ``ema_time_ratio`` (min, median, max over
-the rounds of the ``ema`` window's time over the ``raw`` one's: 1.05 is 5% slower).
+the rounds of the ``ema`` window's time over the ``raw`` one's: 1.05 is 5% slower), and the
+ratios of XLA's own FLOP and bytes-accessed counts of one loop, which no other load disturbs.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def _stack(features, labels, index: int, k: int, est):
     return jax.device_put(stack, est.layout.stack)
 
 
+def _cost(compiled) -> dict[str, float]:
+    """XLA's ``flops`` and ``bytes accessed`` of a compiled loop (a list of one dict on older JAX)."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list | tuple) else analysis
+    return {"flops": analysis["flops"], "bytes_accessed": analysis["bytes accessed"]}
+
+
 def benchmark(name: str, rounds: int) -> dict:
     runs = {}
     for kind, decay in (("raw", None), ("ema", DECAY)):
@@ -71,7 +79,8 @@ def benchmark(name: str, rounds: int) -> dict:
         stacks = [_stack(features, labels, i, k, est) for i in range(4)]  # reused in turn
         loop = jax.jit(est.core.train_loop, in_shardings=(est.layout.state, est.layout.stack), donate_argnums=0)
         state = jax.tree.map(lambda x: x.copy(), est.state())
-        runs[kind] = {"loop": loop, "state": state, "stacks": stacks, "num_loops": num_loops, "k": k}
+        cost = _cost(loop.lower(state, stacks[0]).compile())
+        runs[kind] = {"loop": loop, "state": state, "stacks": stacks, "num_loops": num_loops, "k": k, "cost": cost}
 
     def window(kind: str) -> float:
         run = runs[kind]
@@ -98,6 +107,11 @@ def benchmark(name: str, rounds: int) -> dict:
         "ema_steps_per_sec": round(steps / min(times["ema"]), 1),
         "ema_time_ratio": [round(ratios[0], 3), round(statistics.median(ratios), 3), round(ratios[-1], 3)],
         "best_window_ratio": round(min(times["ema"]) / min(times["raw"]), 3),
+        # The compiler's own count for one loop (no timing noise): FLOPs and bytes read and written.
+        **{
+            f"{what}_ratio": round(runs["ema"]["cost"][what] / runs["raw"]["cost"][what], 4)
+            for what in runs["raw"]["cost"]
+        },
     }
 
 
