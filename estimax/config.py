@@ -385,8 +385,11 @@ class RunConfig:
     def _check_average(self) -> None:
         """``ema_decay`` in (0, 1) or None, a known warm-up, and weights to evaluate that exist."""
         if self.ema_decay is not None:
-            decay = _check_number("RunConfig", "ema_decay", self.ema_decay, minimum=float("-inf"))
-            if not 0 < decay < 1:
+            if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, numbers.Real):
+                kind = type(self.ema_decay).__name__
+                raise ConfigTypeError(f"RunConfig(ema_decay={self.ema_decay!r}) is of type {kind}; expected a number.")
+            decay = float(self.ema_decay)
+            if not 0 < decay < 1:  # NaN too
                 raise ConfigError(
                     f"RunConfig(ema_decay={self.ema_decay!r}) is outside (0, 1); expected the decay of the parameter "
                     "average, e.g. 0.999 (an average over about 1000 steps), or None to keep none."

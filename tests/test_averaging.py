@@ -214,6 +214,7 @@ def test_a_warm_started_average_starts_from_the_loaded_parameters(tmp_path):
     [
         ({"ema_decay": 1.0}, ex.ConfigError, r"ema_decay=1.0\) is outside \(0, 1\); expected .* e.g. 0.999"),
         ({"ema_decay": 0}, ex.ConfigError, r"ema_decay=0\) is outside \(0, 1\)"),
+        ({"ema_decay": float("nan")}, ex.ConfigError, r"ema_decay=nan\) is outside \(0, 1\)"),
         ({"ema_decay": "0.9"}, ex.ConfigTypeError, r"ema_decay='0.9'\) is of type str; expected a number"),
         ({"ema_decay": 0.9, "ema_warmup": "tf"}, ex.ConfigError, r"ema_warmup='tf'\); expected one of"),
         ({"ema_decay": 0.9, "eval_weights": "ema"}, ex.ConfigError, r"eval_weights='ema'\); expected one of"),
