@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax
 import optax
 
-from estimax import accumulation, compile_cache, freezing, lora, resize, run_setup, validation
+from estimax import accumulation, averaging, compile_cache, freezing, lora, resize, run_setup, validation
 from estimax import checkpoint as checkpoint_lib
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
@@ -78,6 +78,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
             config.grad_accum_steps,
             measure_every_step=config.skip_nonfinite,  # every skipped update is counted
             last_step_apart=mesh.devices.flat[0].platform == "gpu",  # no conditional in XLA:GPU's loops
+            average=averaging.of(config),
         )
         abstract_state = jax.eval_shape(core.init_state)  # shapes only: traced once
     layout = layout_lib.build(mesh, abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes)

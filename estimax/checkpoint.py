@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import noise, orbax_s3, pruning, storage
+from estimax import averaging, noise, orbax_s3, pruning, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
 from estimax.fenced_commit import temporary_path_class
@@ -248,7 +248,7 @@ class Checkpointer:
             meta["run"] = self.run_meta
         if loop is not None:
             meta["loop"] = loop
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_on_disk(state)), meta=ocp.args.JsonSave(meta))
         with self._disk_errors(), self._lock_errors():
             self._manager.wait_until_finished()  # the save before (Orbax would wait for it in ``save``)
             self.schedule.finished()
@@ -280,9 +280,11 @@ class Checkpointer:
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         failures, damaged = [], {}
         for candidate in candidates:
-            self._check_structure(abstract_state, candidate)  # another model: an error, not damage
+            saved = self._saved_shapes(candidate)
+            target = averaging.restore_target(abstract_state, saved)  # with a parameter average where one was saved
+            self._check_structure(target, candidate, saved)  # another model: an error, not damage
             try:
-                state, meta = self._restore_verified(abstract_state, candidate)
+                state, meta = self._restore_verified(target, candidate)
             except Exception as error:  # truncated files, altered arrays
                 if isinstance(error, StorageError) or unanswered(error):
                     raise  # the store, not the checkpoint: ``bounded`` tries again or reports it
@@ -297,7 +299,8 @@ class Checkpointer:
                     self._move_damaged_aside()
             else:
                 logger.info("Restored checkpoint step %d from %s", candidate, self.directory)
-            return state, meta
+            where = f"Checkpoint {storage.join(self.directory, str(candidate))}"
+            return averaging.as_wanted(state, abstract_state, where), meta
         raise CheckpointError(
             f"No usable checkpoint in {self.directory}: {'; '.join(failures) or 'there is none'}. Fix: if the "
             "model or optimizer changed since they were saved, use another model_dir (WarmStart can start from "
@@ -327,16 +330,20 @@ class Checkpointer:
             self._damaged = {}
             self._manager.reload()
 
-    def _check_structure(self, abstract_state, step: int) -> None:
-        """Raises ``CheckpointError`` naming the arrays that differ between ``abstract_state`` and the
-        checkpoint's array metadata (read before any array is); unreadable metadata is left to the restore."""
+    def _saved_shapes(self, step: int) -> dict[str, tuple] | None:
+        """``{path: shape}`` of the arrays of ``step`` from Orbax's metadata (read before any array is);
+        ``None`` where it is missing, damaged, or reads as an empty tree (the restore reports that)."""
         try:
             saved = ocp.StandardCheckpointer().metadata(storage.join(self.directory, str(step), "state"))
             leaves = jax.tree_util.tree_leaves_with_path(getattr(saved, "item_metadata", saved))
-            saved = {_path_name(p): tuple(x.shape) for p, x in leaves}
-        except Exception:  # missing or damaged metadata: the restore reports it
-            return
-        if not saved:  # damaged array files read as an empty tree: the restore reports it
+            return {_path_name(p): tuple(x.shape) for p, x in leaves} or None
+        except Exception:
+            return None
+
+    def _check_structure(self, abstract_state, step: int, saved: dict[str, tuple] | None) -> None:
+        """Raises ``CheckpointError`` naming the arrays that differ between ``abstract_state`` and
+        ``saved``, the checkpoint's (``_saved_shapes``); unreadable metadata is left to the restore."""
+        if not saved:
             return
         expected = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
         if saved == expected:
@@ -383,14 +390,15 @@ class Checkpointer:
             ) from None
 
     def _restore_verified(self, abstract_state, step: int):
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-        restored = self._manager.restore(step, args=args)
+        target = ocp.args.StandardRestore(_on_disk(abstract_state))
+        restored = self._manager.restore(step, args=ocp.args.Composite(state=target, meta=ocp.args.JsonRestore()))
+        state = _from_disk(restored.state, abstract_state)
         expected = restored.meta.get("checksums", {})
-        found = jax.device_get(self._checksums(restored.state))
+        found = jax.device_get(self._checksums(state))
         bad = sorted(k for k in found if k not in expected or int(found[k]) != expected[k])
         if bad or len(found) != len(expected):
             raise CheckpointError(f"array contents differ from what was saved (checksum mismatch in {bad[:5]})")
-        return restored.state, restored.meta
+        return state, restored.meta
 
     def restore_raw(self, step: int | None = None):
         """The saved state as plain nested dicts of arrays, without a target structure."""
@@ -469,6 +477,17 @@ def abstract_like(abstract_state, shardings):
     """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``shardings`` (a tree like it, one per leaf),
     the target of a restore: the arrays come back in this run's layout, whatever the saving run's was."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, shardings)
+
+
+def _on_disk(state):
+    """A TrainState as Orbax saves it: its fields by name, less those that hold nothing (no parameter
+    average), so that a run without an average writes and reads what earlier releases did."""
+    return {name: value for name, value in state._asdict().items() if value is not None}
+
+
+def _from_disk(tree: dict, abstract_state):
+    """The TrainState of a restored ``_on_disk`` tree; a field the checkpoint does not hold is ``None``."""
+    return type(abstract_state)(**{name: tree.get(name) for name in abstract_state._fields})
 
 
 def checksums(tree) -> dict[str, jax.Array]:

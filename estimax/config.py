@@ -31,6 +31,10 @@ COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 """The dtypes ``RunConfig(compute_dtype=...)`` may run the model in (``precision.py``)."""
 DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, small biases) stay whole on every device
 DIRECTIONS = ("max", "min")
+EMA_WARMUPS = ("ramp", "debias", "none")
+"""The warm-ups of the parameter average ``RunConfig(ema_warmup=...)`` takes (``averaging.py``)."""
+EVAL_WEIGHTS = ("average", "raw")
+"""The weights ``RunConfig(eval_weights=...)`` may choose for evaluation, prediction and export."""
 # Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
 _LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
 _HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
@@ -270,6 +274,15 @@ class RunConfig:
         rule that matches nothing is an error.
       lora: ``LoRA(layers=[regex, ...], rank=8, alpha=16)``: low-rank adapters on
         those linear layers of an NNX model; only the adapters train.
+      ema_decay: keep an exponential moving average of the parameters with this
+        decay in (0, 1), e.g. 0.999, updated in every step and saved with the
+        checkpoints (``averaging.py``); ``None`` (default): none is kept.
+      ema_warmup: how the average starts: ``"ramp"`` (decay ``min(ema_decay,
+        (1+n)/(10+n))`` at step ``n``, TF's), ``"debias"`` (optax's bias
+        correction) or ``"none"`` (the constant decay from the initial parameters).
+      eval_weights: ``"average"`` or ``"raw"``: the weights that evaluation, the best
+        checkpoint's choice, prediction, ``model()`` and export use; ``None``
+        (default): the average where one is kept.
     """
 
     model_dir: str | os.PathLike | None = None
@@ -297,6 +310,9 @@ class RunConfig:
     tokens_per_example: int | None = None
     freeze: tuple = ()
     lora: LoRA | None = None
+    ema_decay: float | None = None
+    ema_warmup: str = "ramp"
+    eval_weights: str | None = None
     save_every_steps: dataclasses.InitVar[int | None] = _UNSET
     keep_checkpoints: dataclasses.InitVar[int] = _UNSET
 
@@ -342,6 +358,7 @@ class RunConfig:
         if self.loop not in LOOP_KINDS:
             raise ConfigError(f"RunConfig(loop={self.loop!r}) is not a device loop; expected one of {LOOP_KINDS}.")
         check_compute_dtype(self.compute_dtype)
+        self._check_average()
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
         _set(self, "fsdp_min_bytes", _integer("RunConfig", "fsdp_min_bytes", self.fsdp_min_bytes))
@@ -386,6 +403,29 @@ class RunConfig:
                 "keys and the input's shuffling). Fix: a seed in that range, e.g. seed=0."
             )
         _set(self, "seed", seed)
+
+    def _check_average(self) -> None:
+        """``ema_decay`` in (0, 1) or None, a known warm-up, and weights to evaluate that exist."""
+        if self.ema_decay is not None:
+            if isinstance(self.ema_decay, bool) or not isinstance(self.ema_decay, numbers.Real):
+                kind = type(self.ema_decay).__name__
+                raise ConfigTypeError(f"RunConfig(ema_decay={self.ema_decay!r}) is of type {kind}; expected a number.")
+            decay = float(self.ema_decay)
+            if not 0 < decay < 1:  # NaN too
+                raise ConfigError(
+                    f"RunConfig(ema_decay={self.ema_decay!r}) is outside (0, 1); expected the decay of the parameter "
+                    "average, e.g. 0.999 (an average over about 1000 steps), or None to keep none."
+                )
+            _set(self, "ema_decay", decay)
+        for name, allowed in (("ema_warmup", EMA_WARMUPS), ("eval_weights", EVAL_WEIGHTS)):
+            value = getattr(self, name)
+            if value not in allowed and not (name == "eval_weights" and value is None):
+                raise ConfigError(f"RunConfig({name}={value!r}); expected one of {allowed}.")
+        if self.eval_weights == "average" and self.ema_decay is None:
+            raise ConfigError(
+                "RunConfig(eval_weights='average') but ema_decay=None: no parameter average is kept. Fix: set "
+                "ema_decay (e.g. 0.999), or leave eval_weights out to evaluate the raw weights."
+            )
 
     @property
     def global_eval_batch_size(self) -> int:

@@ -15,7 +15,7 @@ from typing import Any, overload
 import jax
 import optax
 
-from estimax import assembly, calls, eval_sets, run_computation, validation
+from estimax import assembly, averaging, calls, eval_sets, run_computation, validation
 from estimax import config as config_lib
 from estimax import follow as follow_lib
 from estimax import host_metrics as host_metrics_lib
@@ -93,8 +93,9 @@ class Estimator:
         return self._current.current()
 
     def _at(self, checkpoint: int | str | None, what: str):
+        """The state a verb uses, its ``params`` the weights ``RunConfig.eval_weights`` chooses."""
         calls.check_step(self.run_dir.checkpoints, checkpoint, what)
-        return self._current.at(checkpoint, what)
+        return averaging.chosen(self._current.at(checkpoint, what), averaging.evaluates_average(self.config))
 
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
@@ -381,14 +382,17 @@ class Estimator:
         written by its own records instead)."""
         if name is not None:
             eval_sets.check_name(name, "the evaluation set")
+        average = averaging.evaluates_average(self.config)
         results = self._evaluator.results(
             input,
-            state,
+            averaging.chosen(state, average),
             steps=steps,
             should_stop=should_stop,
             host_metrics=host_metrics or self._host_metrics,
             name=name,
         )
+        if results is not None and average:  # the records say which weights were evaluated
+            results = {**results, "ema_decay": self.config.ema_decay}
         if record and results is not None:
             step = int(jax.device_get(state.step))  # host sync: the step of the state evaluated
             self._parts.writers.record_evaluation(step, results, eval_sets.split_of(name))

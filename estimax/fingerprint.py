@@ -53,7 +53,9 @@ class Computation:
 
 
 def arrays_digest(abstract_state) -> str:
-    """The names and shapes of the state's arrays (what a checkpoint must fit), as a digest."""
+    """The names and shapes of the state's arrays (what a checkpoint must fit), as a digest; without the
+    parameter average, which a checkpoint may hold or not (``averaging.py``)."""
+    abstract_state = abstract_state._replace(average=None)
     leaves = jax.tree.leaves(abstract_state)
     rows = [f"{name} {tuple(leaf.shape)}" for name, leaf in zip(leaf_names(abstract_state), leaves, strict=True)]
     return _digest("\n".join(rows))

@@ -62,7 +62,7 @@ class ShardingPlan:
     """The layout as a table: one row per parameter and model state leaf, and per-device totals.
 
     ``totals`` are bytes per device of ``params``, ``opt_state``,
-    ``model_state``, ``other`` (step, key) and ``total``; ``replicated_total``
+    ``model_state``, ``average`` (0 without one), ``other`` (step, key) and ``total``; ``replicated_total``
     is what every device would hold with everything replicated.
     """
 
@@ -89,7 +89,9 @@ class ShardingPlan:
         t = self.totals
         lines.append(
             f"per device: params {format_bytes(t['params'])}, optimizer state {format_bytes(t['opt_state'])}, "
-            f"model state {format_bytes(t['model_state'])}, total {format_bytes(t['total'])} "
+            f"model state {format_bytes(t['model_state'])}, "
+            + (f"parameter average {format_bytes(t['average'])}, " if t["average"] else "")
+            + f"total {format_bytes(t['total'])} "
             f"(replicated: {format_bytes(self.replicated_total)})"
         )
         return "\n".join(lines)
@@ -142,7 +144,8 @@ def build(
     params = _unflatten(abstract_state.params, [NamedSharding(mesh, s) for s in param_specs])
     model_state = _unflatten(abstract_state.model_state, [NamedSharding(mesh, s) for s in state_specs])
     opt_state = _optimizer_shardings(optimizer, abstract_state.opt_state, abstract_state.params, params, rep)
-    state = TrainState(step=rep, params=params, opt_state=opt_state, model_state=model_state, rng=rep)
+    average = None if abstract_state.average is None else params  # the average lives where its parameters do
+    state = TrainState(step=rep, params=params, opt_state=opt_state, model_state=model_state, rng=rep, average=average)
     plan = _plan(mesh, abstract_state, state, param_sources, state_sources)
     return Layout(mesh, state, mesh_lib.batch_sharding(mesh), mesh_lib.batch_sharding(mesh, stacked=True), plan)
 
@@ -307,7 +310,7 @@ def _plan(mesh, abstract_state, state, param_sources, state_sources) -> Sharding
         tree = getattr(abstract_state, field)
         return sum(map(_per_device, jax.tree.leaves(tree), jax.tree.leaves(getattr(state, field))))
 
-    totals = {f: total(f) for f in ("params", "opt_state", "model_state")}
+    totals = {f: total(f) for f in ("params", "opt_state", "model_state", "average")}
     totals["other"] = total("step") + total("rng")
     totals["total"] = sum(totals.values())
     replicated = sum(_nbytes(x) for x in jax.tree.leaves(abstract_state))

@@ -18,6 +18,8 @@ class TrainState(NamedTuple):
     opt_state: the optimizer's state.
     model_state: non-trained model variables (batch statistics, ...).
     rng: raw key data of the run's base key; step ``s`` uses ``fold_in(rng, s)``.
+    average: an exponential moving average of ``params`` (``averaging.py``), or ``None``
+      where the run keeps none (``RunConfig(ema_decay=None)``).
     """
 
     step: Any
@@ -25,6 +27,7 @@ class TrainState(NamedTuple):
     opt_state: Any
     model_state: Any
     rng: Any
+    average: Any = None
 
 
 def leaf_names(tree) -> list[str]:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimax import accumulation, diagnose, precision
+from estimax import accumulation, averaging, diagnose, precision
 from estimax import metrics as metrics_lib
 from estimax.errors import ConfigError, SpecError
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
@@ -39,6 +39,7 @@ class Core:
         on its last one and on non-finite losses (exact skipped-update counts).
       last_step_apart: run a loop's last step after its scan instead of a conditional in
         every step (``train_loop``); for GPUs, where a conditional waits for its predicate.
+      average: the rule of a moving average of the parameters kept in the state, or None.
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class Core:
         grad_accum_steps: int = 1,
         measure_every_step: bool = False,
         last_step_apart: bool = False,
+        average: averaging.Averaging | None = None,
     ):
         self.adapter = adapter
         self.model_fn = model_fn
@@ -62,17 +64,20 @@ class Core:
         self.grad_accum_steps = grad_accum_steps
         self.measure_every_step = measure_every_step
         self.last_step_apart = last_step_apart and not measure_every_step
+        self.average = average
 
     # -- state ---------------------------------------------------------------
     def init_state(self) -> TrainState:
         params, model_state = self.adapter.init()
-        return TrainState(
+        state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.optimizer.init(params),
             model_state=model_state,
             rng=jax.random.key_data(jax.random.key(self.seed)),
+            average=None if self.average is None else params,
         )
+        return averaging.restarted(state)
 
     def _key(self, state: TrainState) -> jax.Array:
         return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -139,7 +144,8 @@ class Core:
         if learning_rate is not None:
             outputs["learning_rate"] = jnp.asarray(learning_rate, jnp.float32)
         outputs.update(metrics_lib.train_outputs(spec.metrics, batch_size))  # metric inputs: per-step states
-        return TrainState(state.step + 1, params, opt_state, model_state, state.rng), outputs
+        average = None if self.average is None else self.average.update(state.average, params, state.step + 1)
+        return TrainState(state.step + 1, params, opt_state, model_state, state.rng, average), outputs
 
     def _accumulated_grads(self, state: TrainState, batch: Batch):
         """What ``train_step`` needs of the batch (its loss, a Spec of its metric means, the next
@@ -344,7 +350,7 @@ def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
 
 
 # Names the engine reports beside the metrics: in every evaluation, and in training's outputs and logs.
-RESERVED_EVAL = ("loss", metrics_lib.NUM_EXAMPLES)
+RESERVED_EVAL = ("loss", metrics_lib.NUM_EXAMPLES, "ema_decay")
 RESERVED_TRAIN = (
     "loss",
     "grad_norm",

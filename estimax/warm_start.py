@@ -25,8 +25,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from estimax import averaging, storage, weight_files
 from estimax import checkpoint as checkpoint_lib
-from estimax import storage, weight_files
 from estimax.errors import CheckpointError, ConfigTypeError
 from estimax.state import leaf_names
 
@@ -142,7 +142,7 @@ class WarmStart:
         opt_state = state.opt_state
         if self.optimizer_state:
             opt_state = self._optimizer_state(raw, opt_state)
-        return state._replace(params=params, opt_state=opt_state)
+        return averaging.restarted(state._replace(params=params, opt_state=opt_state))  # the average starts here
 
     def _optimizer_state(self, raw, opt_state):
         if raw is None:

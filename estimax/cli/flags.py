@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from estimax.config import LOOP_KINDS
+from estimax.config import EMA_WARMUPS, EVAL_WEIGHTS, LOOP_KINDS
 from estimax.tracker_kinds import TRACKERS
 
 TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
@@ -107,6 +107,9 @@ RUN_FLAGS = (
     RunFlag("profile_steps", "A:B: trace steps A to B", {"type": step_range}, TRAIN),
     RunFlag("quiet", "no progress bar and no train log lines", {"action": "store_true", "default": None}),
     RunFlag("tokens_per_example", "tokens in one example: adds tokens/s", {"type": positive_int}, TRAIN),
+    RunFlag("ema_decay", "keep a moving average of the parameters, e.g. 0.999", {"type": float}),
+    RunFlag("ema_warmup", "how the parameter average starts", {"choices": EMA_WARMUPS}, TRAIN),
+    RunFlag("eval_weights", "evaluate, predict and export these weights", {"choices": EVAL_WEIGHTS}),
     RunFlag(
         "trackers", "mlflow, or mlflow=URI (server or dir)", {"type": tracker, "action": "append"}, aliases=("tracker",)
     ),
