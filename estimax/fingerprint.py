@@ -67,7 +67,8 @@ def trace(core, abstract_state, mesh, batch) -> Computation:
     unplaced = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), abstract_state)  # any device count
     with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
         step = jax.make_jaxpr(core.train_step)(unplaced, batch)
-        evaluation = jax.make_jaxpr(core.eval_values)(unplaced, batch)
+        # Whether a run keeps a parameter average does not change what its evaluation computes.
+        evaluation = jax.make_jaxpr(core.eval_values)(unplaced._replace(average=None), batch)
     digests = program_digest(str(step)), program_digest(str(evaluation))
     return Computation(digests[0], encode_batch(batch), arrays_digest(abstract_state), digests[1])
 
