@@ -1,4 +1,4 @@
-"""Every test sees 8 simulated CPU devices, as a TPU v2-8 host would."""
+"""Every test sees 8 simulated CPU devices, as a TPU v2-8 host would; no process a test starts outlives it."""
 
 import logging
 import os
@@ -9,6 +9,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from helpers import processes_killed_on_exit  # noqa: E402
 from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
 
 
@@ -16,15 +17,22 @@ def pytest_configure(config):
     assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX was initialised too early"
 
 
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Every process a test starts, and every process those start, is killed at its end, passed or failed."""
+    with processes_killed_on_exit():
+        yield
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_two_processes(tmp_path_factory):
     """The result of tests/multihost_job.py trained uninterrupted by 2 processes x 4 devices on a local
     model_dir: what a killed and restarted group on any store must end with, bit for bit."""
-    from test_distributed import STEPS, _finish, _launcher, _result
+    from helpers import MULTIHOST_STEPS, finish, launch_group, read_result
 
     root = tmp_path_factory.mktemp("uninterrupted-two-processes")
-    _finish(_launcher(str(root / "run"), str(root / "out"), "train", str(STEPS)))
-    return _result(root / "out")
+    finish(launch_group(str(root / "run"), str(root / "out"), "train", str(MULTIHOST_STEPS)))
+    return read_result(root / "out")
 
 
 @pytest.fixture

@@ -67,7 +67,7 @@ def test_saves_due_by_steps_are_put_off_while_they_would_cost_more_than_max_over
 
 
 def test_calls_without_the_save_at_their_end_continue_in_memory_and_a_preemption_still_saves(model_dir, estimax_log):
-    from test_s3 import SigtermAfter
+    from helpers import SigtermAfter
 
     policy = ex.CheckpointPolicy(every_steps=8, keep=100, at_end=False)
     est = estimator(model_dir, steps_per_loop=2, checkpoint=policy)
