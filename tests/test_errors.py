@@ -276,10 +276,12 @@ def test_each_mistake_of_the_guide_raises_the_error_it_shows(mistake, tmp_path, 
     assert not missing, f"{mistake}: the guide shows {message!r}; raised {one_line(raised)}"
 
 
+@pytest.mark.quick
 def test_every_mistake_here_is_a_row_of_the_guide():
     assert set(MISTAKES) <= set(guide_rows()), sorted(set(MISTAKES) - set(guide_rows()))
 
 
+@pytest.mark.quick
 def test_every_kind_is_a_top_level_name_and_derives_from_a_builtin():
     kinds = {
         name: value
