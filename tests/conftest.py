@@ -21,16 +21,16 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session", autouse=True)
 def compiled_programs_kept_for_the_session(tmp_path_factory):
-    """JAX's persistent compilation cache, shared by every test of the session and its xdist workers: a test
-    that builds the same program as an earlier one reads it back instead of compiling it. What is computed is
-    the same (the cache holds the compiled program, keyed by everything that went into it);
-    TESTS_COMPILATION_CACHE=off compiles everything afresh."""
+    """JAX's persistent compilation cache, one per xdist worker (JAX writes an entry in place: another process
+    could read it half written): a test that builds the same program as an earlier test of its worker reads it
+    back instead of compiling it. What is computed is the same (the cache holds the compiled program, keyed by
+    everything that went into it); TESTS_COMPILATION_CACHE=off compiles everything afresh."""
     if os.environ.get("TESTS_COMPILATION_CACHE", "on") == "off":
         yield None
         return
     from estimax import compile_cache
 
-    yield compile_cache.enable(shared_dir(tmp_path_factory, "jax-compilation-cache"))
+    yield compile_cache.enable(tmp_path_factory.mktemp("jax-compilation-cache"))
 
 
 def pytest_ignore_collect(collection_path, config):
