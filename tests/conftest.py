@@ -1,4 +1,4 @@
-"""Every test sees 8 simulated CPU devices, as a TPU v2-8 host would."""
+"""Every test sees 8 simulated CPU devices, as a TPU v2-8 host would; no process a test starts outlives it."""
 
 import logging
 import os
@@ -8,7 +8,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 
 import jax  # noqa: E402
+import psutil  # noqa: E402
 import pytest  # noqa: E402
+from filelock import FileLock  # noqa: E402
+from helpers import processes_killed_on_exit  # noqa: E402
 from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
 
 
@@ -16,15 +19,59 @@ def pytest_configure(config):
     assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX was initialised too early"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compiled_programs_kept_for_the_session(tmp_path_factory):
+    """JAX's persistent compilation cache, one per xdist worker (JAX writes an entry in place: another process
+    could read it half written): a test that builds the same program as an earlier test of its worker reads it
+    back instead of compiling it. What is computed is the same (the cache holds the compiled program, keyed by
+    everything that went into it); TESTS_COMPILATION_CACHE=off compiles everything afresh."""
+    if os.environ.get("TESTS_COMPILATION_CACHE", "on") == "off":
+        yield None
+        return
+    from estimax import compile_cache
+
+    yield compile_cache.enable(tmp_path_factory.mktemp("jax-compilation-cache"))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`pytest -m quick`: a test module that marks nothing quick is not even imported (the tier starts sooner)."""
+    if config.getoption("markexpr") == "quick" and collection_path.name.startswith("test_"):
+        return collection_path.suffix == ".py" and "pytest.mark.quick" not in collection_path.read_text() or None
+    return None
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): one worker more than cores, since a test often waits on the processes
+    or servers it started; at most one per 2 GB of available memory (a worker holds JAX and its programs)."""
+    by_memory = psutil.virtual_memory().available // 2**31
+    return max(1, min((os.cpu_count() or 1) + 1, by_memory))
+
+
+def shared_dir(tmp_path_factory, name: str):
+    """A folder of this session that every xdist worker sees (a worker's own temporary folders are not)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return tmp_path_factory.getbasetemp() / name
+    return tmp_path_factory.getbasetemp().parent / name  # the session's folder, above the workers' own
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Every process a test starts, and every process those start, is killed at its end, passed or failed."""
+    with processes_killed_on_exit():
+        yield
+
+
 @pytest.fixture(scope="session")
 def uninterrupted_two_processes(tmp_path_factory):
     """The result of tests/multihost_job.py trained uninterrupted by 2 processes x 4 devices on a local
     model_dir: what a killed and restarted group on any store must end with, bit for bit."""
-    from test_distributed import STEPS, _finish, _launcher, _result
+    from helpers import MULTIHOST_STEPS, finish, launch_group, read_result
 
-    root = tmp_path_factory.mktemp("uninterrupted-two-processes")
-    _finish(_launcher(str(root / "run"), str(root / "out"), "train", str(STEPS)))
-    return _result(root / "out")
+    root = shared_dir(tmp_path_factory, "uninterrupted-two-processes")  # run once, by the first worker to ask
+    with FileLock(f"{root}.lock"):
+        if not (root / "out" / "result.json").exists():
+            finish(launch_group(str(root / "run"), str(root / "out"), "train", str(MULTIHOST_STEPS)))
+    return read_result(root / "out")
 
 
 @pytest.fixture

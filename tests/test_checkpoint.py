@@ -31,6 +31,7 @@ def _data_files(model_dir, step):
     return [os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs if os.path.basename(r) == "d"]
 
 
+@pytest.mark.quick
 def test_policy_saves_on_crossed_steps_and_keeps_the_last(model_dir):
     estimator(model_dir, steps_per_loop=3, checkpoint=ex.CheckpointPolicy(every_steps=5, keep=2)).train(
         DATA, max_steps=20
@@ -67,7 +68,7 @@ def test_saves_due_by_steps_are_put_off_while_they_would_cost_more_than_max_over
 
 
 def test_calls_without_the_save_at_their_end_continue_in_memory_and_a_preemption_still_saves(model_dir, estimax_log):
-    from test_s3 import SigtermAfter
+    from helpers import SigtermAfter
 
     policy = ex.CheckpointPolicy(every_steps=8, keep=100, at_end=False)
     est = estimator(model_dir, steps_per_loop=2, checkpoint=policy)
@@ -88,6 +89,7 @@ def test_calls_without_the_save_at_their_end_continue_in_memory_and_a_preemption
     assert _steps(model_dir) == [9, 17, 22]  # saved where it stopped
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("damage", ["truncate", "alter"])
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(model_dir, damage, estimax_log):
     est = estimator(model_dir, save_every_steps=4)
@@ -155,6 +157,7 @@ def test_altered_checksums_are_detected(model_dir):
     assert estimator(model_dir).step == 4
 
 
+@pytest.mark.quick
 def test_no_usable_checkpoint_is_an_error(model_dir):
     estimator(model_dir, save_every_steps=None).train(DATA, max_steps=4)
     for path in _data_files(model_dir, 4):
@@ -163,6 +166,7 @@ def test_no_usable_checkpoint_is_an_error(model_dir):
         _ = estimator(model_dir).step
 
 
+@pytest.mark.quick
 def test_evaluate_predict_and_model_take_a_checkpoint(model_dir):
     est = estimator(model_dir, save_every_steps=4, keep_checkpoints=5).train(DATA, max_steps=12)
     at_4 = estimator(steps_per_loop=4).train(DATA, max_steps=4)  # the same first 4 steps, in memory

@@ -9,7 +9,16 @@ import sys
 import textwrap
 
 import pytest
-from test_distributed import JOB, STEPS, _env, _launcher, _max_difference, _one_process, _result, _steps
+from helpers import (
+    MULTIHOST_JOB,
+    MULTIHOST_STEPS,
+    checkpoint_steps,
+    job_env,
+    launch_group,
+    max_difference,
+    read_result,
+    run_one_process,
+)
 
 from estimax import clusters
 from estimax.distributed import free_port
@@ -157,7 +166,7 @@ def test_two_managers_that_agree_and_idle_gpus_are_warnings(estimax_log):
 
 
 def test_the_command_line_stops_on_contradicting_variables_before_anything_starts(tmp_path):
-    env = _env(**{**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""})
+    env = job_env(**{**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""})
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", str(tmp_path / "run"), "--max-steps", "1"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and not (tmp_path / "run").exists()
@@ -171,8 +180,8 @@ def _group(manager_env, *job_args):
     """Two processes of the job, each with its own variables of one manager; returns their output."""
     processes = [
         subprocess.Popen(
-            [sys.executable, JOB, *job_args],
-            env=_env(JAX_NUM_CPU_DEVICES="4", **manager_env(rank)),
+            [sys.executable, MULTIHOST_JOB, *job_args],
+            env=job_env(JAX_NUM_CPU_DEVICES="4", **manager_env(rank)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -187,8 +196,8 @@ def _group(manager_env, *job_args):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("one")
-    _one_process(str(root / "run"), str(root / "out"), "train", str(STEPS))
-    return _result(root / "out")
+    run_one_process(str(root / "run"), str(root / "out"), "train", str(MULTIHOST_STEPS))
+    return read_result(root / "out")
 
 
 def _kubeflow(port):
@@ -210,11 +219,11 @@ def _skypilot(port):
 
 @pytest.mark.parametrize("manager, name", [(_kubeflow, "Kubeflow Trainer"), (_skypilot, "SkyPilot")])
 def test_a_managers_two_processes_train_like_one_process(manager, name, one_process, tmp_path):
-    out = _group(manager(free_port()), str(tmp_path / "run"), str(tmp_path / "out"), "train", str(STEPS))
-    two = _result(tmp_path / "out")
+    out = _group(manager(free_port()), str(tmp_path / "run"), str(tmp_path / "out"), "train", str(MULTIHOST_STEPS))
+    two = read_result(tmp_path / "out")
     assert (two["processes"], two["devices"]) == (2, 8)
-    assert _max_difference(one_process["losses"], two["losses"]) <= 1e-5
-    assert _max_difference(one_process["params"], two["params"]) <= 1e-5
+    assert max_difference(one_process["losses"], two["losses"]) <= 1e-5
+    assert max_difference(one_process["params"], two["params"]) <= 1e-5
     assert f"Process 0 of 2 joined the group ({name}) at 127.0.0.1:" in out[0]
 
 
@@ -256,7 +265,7 @@ def test_slurm_one_task_per_node_is_not_narrowed_to_gpu_0():
         }
 
     processes = [
-        subprocess.Popen([sys.executable, "-c", SHOW_GPUS], env=_env(**slurm(r)), stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", SHOW_GPUS], env=job_env(**slurm(r)), stdout=subprocess.PIPE, text=True)
         for r in range(2)
     ]
     lines = sorted(line for p in processes for line in p.communicate(timeout=120)[0].splitlines() if "GPUS" in line)
@@ -274,7 +283,7 @@ LAUNCHED = textwrap.dedent(
 
 
 def test_launch_inside_a_managed_step_gives_children_their_own_group_and_gpus():
-    env = _env(SLURM_JOB_ID="9", SLURM_PROCID="0", SLURM_NTASKS="1", CUDA_VISIBLE_DEVICES="2,3,4,5")
+    env = job_env(SLURM_JOB_ID="9", SLURM_PROCID="0", SLURM_NTASKS="1", CUDA_VISIBLE_DEVICES="2,3,4,5")
     env["JAX_COORDINATOR_ADDRESS"] = "10.0.0.1:1234"
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--", sys.executable, "-c"]
     out = subprocess.run([*command, LAUNCHED], env=env, capture_output=True, text=True, timeout=120).stdout
@@ -306,7 +315,7 @@ def test_sigusr1_saves_and_exits_for_requeue(tmp_path):
     model_dir = str(tmp_path / "run")
     process = subprocess.Popen(
         [sys.executable, "-c", SIGNALLED, model_dir],
-        env=_env(),
+        env=job_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -322,7 +331,7 @@ def test_sigusr1_saves_and_exits_for_requeue(tmp_path):
 
 
 def test_launch_inside_a_step_of_many_tasks_is_refused():
-    env = _env(SLURM_JOB_ID="9", SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_LOCALID="1")
+    env = job_env(SLURM_JOB_ID="9", SLURM_PROCID="1", SLURM_NTASKS="4", SLURM_LOCALID="1")
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--", sys.executable, "-c", ""]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "a process of a SLURM group; expected one launcher per machine" in result.stderr
@@ -331,7 +340,7 @@ def test_launch_inside_a_step_of_many_tasks_is_refused():
 def test_sigusr1_to_every_process_of_a_group_saves_one_step(tmp_path):
     """`--signal=USR1@90` reaches every task of the step: the group saves one step and exits 75."""
     model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
-    group = _launcher(model_dir, out_dir, "train", str(STEPS), "0.5")
+    group = launch_group(model_dir, out_dir, "train", str(MULTIHOST_STEPS), "0.5")
     for line in group.stdout:  # a train line of process 0: the group trains (a readiness line, not a sleep)
         if "estimax  train step" in line:
             break
@@ -343,4 +352,4 @@ def test_sigusr1_to_every_process_of_a_group_saves_one_step(tmp_path):
     out = group.communicate(timeout=120)[0]
     assert group.returncode == 75, out
     assert "SIGUSR1 received: handled as SIGTERM" in out
-    assert max(_steps(model_dir)) < STEPS  # stopped early, at one saved step
+    assert max(checkpoint_steps(model_dir)) < MULTIHOST_STEPS  # stopped early, at one saved step

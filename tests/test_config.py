@@ -8,6 +8,8 @@ from models import blobs, estimator
 
 import estimax as ex
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -9,6 +9,8 @@ from models import blobs, estimator
 import estimax as ex
 from estimax.data import feed
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def test_each_epoch_visits_every_example_at_most_once_and_reshuffles():
     ids = np.arange(1000)

@@ -16,83 +16,41 @@ import time
 
 import numpy as np
 import pytest
+from helpers import (
+    MULTIHOST_STEPS,
+    checkpoint_steps,
+    finish,
+    job_env,
+    launch_group,
+    max_difference,
+    read_result,
+    run_one_process,
+)
 
 from estimax import distributed
 from estimax.cli import launch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
-JOB = os.path.join(TESTS, "multihost_job.py")
-STEPS = 24
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
-    # This checkout's package (not whichever estimax is installed) and the tests' models.
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
-    env["JAX_PLATFORMS"] = "cpu"
-    env.update(extra)
-    return env
-
-
-def _launcher(*job_args, max_restarts=0):
-    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
-    command += ["--max-restarts", str(max_restarts), "--", sys.executable, JOB, *job_args]
-    return subprocess.Popen(
-        command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-
-
-def _finish(process, timeout=120):
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher and its group: none outlives a failed test
-        raise
-    assert process.returncode == 0, out
-    return out
-
-
-def _one_process(*job_args):
-    result = subprocess.run(
-        [sys.executable, JOB, *job_args],
-        env=_env(JAX_NUM_CPU_DEVICES="8"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _result(out_dir):
-    with open(os.path.join(out_dir, "result.json")) as f:
-        result = json.load(f)
-    result["losses"] = {int(k): v for k, v in result["losses"].items()}
-    return result
-
-
-def _max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float(np.max(np.abs(np.asarray(a[k]) - np.asarray(b[k])))) for k in a)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The same job as 1 process x 8 devices and as 2 processes x 4 devices."""
     root = tmp_path_factory.mktemp("multihost")
-    _one_process(str(root / "one"), str(root / "one-out"), "train", str(STEPS))
-    out = _finish(_launcher(str(root / "two"), str(root / "two-out"), "train", str(STEPS)))
-    return root, _result(root / "one-out"), _result(root / "two-out"), out
+    run_one_process(str(root / "one"), str(root / "one-out"), "train", str(MULTIHOST_STEPS))
+    out = finish(launch_group(str(root / "two"), str(root / "two-out"), "train", str(MULTIHOST_STEPS)))
+    return root, read_result(root / "one-out"), read_result(root / "two-out"), out
 
 
 def test_two_processes_train_and_evaluate_like_one(runs):
     _, one, two, out = runs
     assert (one["processes"], one["devices"], two["processes"], two["devices"]) == (1, 8, 2, 8)
-    assert sorted(two["losses"]) == list(range(1, STEPS + 1))
-    loss_difference = _max_difference(one["losses"], two["losses"])
-    print(f"max |loss(2x4) - loss(1x8)| over {STEPS} steps: {loss_difference:.3g}")
+    assert sorted(two["losses"]) == list(range(1, MULTIHOST_STEPS + 1))
+    loss_difference = max_difference(one["losses"], two["losses"])
+    print(f"max |loss(2x4) - loss(1x8)| over {MULTIHOST_STEPS} steps: {loss_difference:.3g}")
     assert loss_difference <= 1e-5
-    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert max_difference(one["params"], two["params"]) <= 1e-5
     assert one["eval"]["num_examples"] == two["eval"]["num_examples"] == 203  # exact, padded on both processes
     assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= 1e-5
     assert one["eval"]["accuracy"] == two["eval"]["accuracy"]
@@ -106,10 +64,12 @@ def test_saves_decided_by_the_clock_are_made_by_every_process_at_once(runs, tmp_
     # process that saves would wait at the save's barrier for one that trains on. Here the clocks
     # disagree on every loop (process 0 saves every loop by its policy, process 1 never by its own).
     _, one, _, _ = runs
-    _finish(_launcher(str(tmp_path / "run"), str(tmp_path / "out"), "train", str(STEPS), "0.0", "clock"))
-    clocked = _result(tmp_path / "out")
-    assert clocked["step"] == STEPS and sorted(_steps(str(tmp_path / "run"))) == list(range(4, STEPS + 1, 4))
-    assert _max_difference(one["params"], clocked["params"]) <= 1e-5
+    finish(launch_group(str(tmp_path / "run"), str(tmp_path / "out"), "train", str(MULTIHOST_STEPS), "0.0", "clock"))
+    clocked = read_result(tmp_path / "out")
+    assert clocked["step"] == MULTIHOST_STEPS and sorted(checkpoint_steps(str(tmp_path / "run"))) == list(
+        range(4, MULTIHOST_STEPS + 1, 4)
+    )
+    assert max_difference(one["params"], clocked["params"]) <= 1e-5
 
 
 def test_predict_yields_every_example_once(runs):
@@ -124,10 +84,10 @@ def test_predict_yields_every_example_once(runs):
 
 def test_a_checkpoint_of_two_processes_restores_in_one(runs, tmp_path):
     root, _, two, _ = runs
-    _one_process(str(root / "two"), str(tmp_path), "evaluate")
-    restored = _result(tmp_path)
-    assert restored["processes"] == 1 and restored["step"] == STEPS
-    assert _max_difference(restored["params"], two["params"]) == 0.0  # the very arrays saved
+    run_one_process(str(root / "two"), str(tmp_path), "evaluate")
+    restored = read_result(tmp_path)
+    assert restored["processes"] == 1 and restored["step"] == MULTIHOST_STEPS
+    assert max_difference(restored["params"], two["params"]) == 0.0  # the very arrays saved
     assert restored["eval"]["num_examples"] == 203
     assert abs(restored["eval"]["loss"] - two["eval"]["loss"]) <= 1e-6
 
@@ -136,18 +96,18 @@ def test_a_checkpoint_of_two_processes_restores_in_one(runs, tmp_path):
 def fsdp_runs(tmp_path_factory):
     """The same job with parameters and Adam's state sharded over fsdp=8: 1 x 8 devices and 2 x 4."""
     root = tmp_path_factory.mktemp("fsdp")
-    _one_process(str(root / "one"), str(root / "one-out"), "train", "8", "0", "fsdp")
-    _finish(_launcher(str(root / "two"), str(root / "two-out"), "train", "8", "0", "fsdp"))
-    return root, _result(root / "one-out"), _result(root / "two-out")
+    run_one_process(str(root / "one"), str(root / "one-out"), "train", "8", "0", "fsdp")
+    finish(launch_group(str(root / "two"), str(root / "two-out"), "train", "8", "0", "fsdp"))
+    return root, read_result(root / "one-out"), read_result(root / "two-out")
 
 
 def test_tensor_parallel_over_two_processes_matches_fsdp_in_one_process(fsdp_runs, tmp_path):
     _, one, _ = fsdp_runs
-    _finish(_launcher(str(tmp_path / "run"), str(tmp_path / "out"), "train", "8", "0", "tp"))
-    two = _result(tmp_path / "out")
+    finish(launch_group(str(tmp_path / "run"), str(tmp_path / "out"), "train", "8", "0", "tp"))
+    two = read_result(tmp_path / "out")
     assert two["kernel_spec"] == [None, "model"]
-    assert _max_difference(one["losses"], two["losses"]) <= 1e-5
-    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert max_difference(one["losses"], two["losses"]) <= 1e-5
+    assert max_difference(one["params"], two["params"]) <= 1e-5
     assert two["eval"]["num_examples"] == 203
     np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)  # gathered, each row once
     local = [json.load(open(tmp_path / "out" / f"local-{p}.json"))["classes"] for p in range(2)]
@@ -158,8 +118,8 @@ def test_fsdp_over_two_processes_trains_evaluates_and_predicts_like_one_process(
     _, one, two = fsdp_runs
     assert one["kernel_spec"] == two["kernel_spec"] == [None, "fsdp"]  # spans both processes
     assert (one["processes"], two["processes"], two["step"]) == (1, 2, 8)
-    assert _max_difference(one["losses"], two["losses"]) <= 1e-5
-    assert _max_difference(one["params"], two["params"]) <= 1e-5
+    assert max_difference(one["losses"], two["losses"]) <= 1e-5
+    assert max_difference(one["params"], two["params"]) <= 1e-5
     assert one["eval"]["num_examples"] == two["eval"]["num_examples"] == 203
     assert abs(one["eval"]["loss"] - two["eval"]["loss"]) <= 1e-5
     np.testing.assert_allclose(two["predictions"], one["predictions"], atol=1e-5)
@@ -167,34 +127,29 @@ def test_fsdp_over_two_processes_trains_evaluates_and_predicts_like_one_process(
 
 def test_a_fsdp_checkpoint_of_two_processes_restores_bitwise_in_one_replicated_process(fsdp_runs, tmp_path):
     root, _, two = fsdp_runs
-    _one_process(str(root / "two"), str(tmp_path), "evaluate", "8", "0", "adam")  # no mesh: everything replicated
-    restored = _result(tmp_path)
+    run_one_process(str(root / "two"), str(tmp_path), "evaluate", "8", "0", "adam")  # no mesh: everything replicated
+    restored = read_result(tmp_path)
     assert restored["kernel_spec"] == [] and restored["step"] == 8
-    assert _max_difference(restored["params"], two["params"]) == 0.0
-
-
-def _steps(model_dir):
-    root = os.path.join(model_dir, "checkpoints")
-    return [int(n) for n in os.listdir(root) if n.isdigit()] if os.path.isdir(root) else []
+    assert max_difference(restored["params"], two["params"]) == 0.0
 
 
 def test_sigkill_of_one_process_restarts_the_group_and_ends_like_an_uninterrupted_run(runs, tmp_path):
     _, _, two, _ = runs
     model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
-    launcher = _launcher(model_dir, out_dir, "train", str(STEPS), "1.0", max_restarts=1)
+    launcher = launch_group(model_dir, out_dir, "train", str(MULTIHOST_STEPS), "1.0", max_restarts=1)
     deadline = time.monotonic() + 60
-    while not _steps(model_dir):  # the first checkpoint (step 4): five loops of at least a second remain
+    while not checkpoint_steps(model_dir):  # the first checkpoint (step 4): five loops of at least a second remain
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
         time.sleep(0.05)
     with open(os.path.join(out_dir, "pid-1")) as f:
         os.kill(int(f.read()), signal.SIGKILL)
-    out = _finish(launcher)
+    out = finish(launcher)
     assert "process 1 was killed by SIGKILL; stopping the others" in out
     assert "restarting the group from its latest checkpoint (1 of 1)" in out
     assert out.count("Restored checkpoint step") == 1  # the second start resumed (process 0 logs)
-    resumed = _result(out_dir)
-    assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
-    assert _max_difference(resumed["params"], two["params"]) == 0.0
+    resumed = read_result(out_dir)
+    assert resumed["step"] == MULTIHOST_STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
+    assert max_difference(resumed["params"], two["params"]) == 0.0
     assert max(abs(resumed["losses"][s] - two["losses"][s]) for s in resumed["losses"]) == 0.0
     assert resumed["eval"] == two["eval"]
     print(f"restarted from step {min(resumed['losses']) - 1}: final parameters bitwise equal to the uninterrupted run")
@@ -203,9 +158,9 @@ def test_sigkill_of_one_process_restarts_the_group_and_ends_like_an_uninterrupte
 def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_exit_75(runs, tmp_path):
     _, _, two, _ = runs
     model_dir, out_dir = str(tmp_path / "run"), str(tmp_path / "out")
-    launcher = _launcher(model_dir, out_dir, "train", str(STEPS), "1.0")
+    launcher = launch_group(model_dir, out_dir, "train", str(MULTIHOST_STEPS), "1.0")
     deadline = time.monotonic() + 60
-    while max(_steps(model_dir) or [0]) < 8:
+    while max(checkpoint_steps(model_dir) or [0]) < 8:
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
         time.sleep(0.05)
     launcher.send_signal(signal.SIGTERM)
@@ -214,10 +169,12 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_step_with_exit_75(ru
     stopped = {
         int(line.split("training stopped at step ")[1].split()[0]) for line in out.splitlines() if "stopped at" in line
     }
-    assert len(stopped) == 1 and stopped.pop() == max(_steps(model_dir)) < STEPS  # the same step on both
+    assert (
+        len(stopped) == 1 and stopped.pop() == max(checkpoint_steps(model_dir)) < MULTIHOST_STEPS
+    )  # the same step on both
     assert out.count("training stopped at step") == 2 and "restarting" not in out
-    _finish(_launcher(model_dir, out_dir, "train", str(STEPS)))  # the same command again resumes
-    assert _max_difference(_result(out_dir)["params"], two["params"]) == 0.0
+    finish(launch_group(model_dir, out_dir, "train", str(MULTIHOST_STEPS)))  # the same command again resumes
+    assert max_difference(read_result(out_dir)["params"], two["params"]) == 0.0
 
 
 _LATE = textwrap.dedent(
@@ -240,7 +197,7 @@ def test_a_late_process_is_named_not_waited_for(tmp_path):
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", _LATE],
-            env=_env(
+            env=job_env(
                 JAX_NUM_CPU_DEVICES="1",
                 ESTIMAX_COORDINATOR=f"127.0.0.1:{port}",
                 ESTIMAX_NUM_PROCESSES="2",
@@ -318,7 +275,7 @@ _KILLS_ITS_PEER = textwrap.dedent(
 def test_the_launcher_names_the_process_that_failed_first_not_the_one_that_aborted_on_losing_it(tmp_path):
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--max-restarts", "0"]
     command += ["--", sys.executable, "-c", _KILLS_ITS_PEER, str(tmp_path)]
-    launcher = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=60)
+    launcher = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=60)
     assert launcher.returncode == 128 + signal.SIGKILL, launcher.stdout + launcher.stderr
     # Both have ended by the launcher's next look, usually: the cause is named either way.
     said = [line for line in launcher.stdout.splitlines() if "stopping the others" in line]
@@ -330,8 +287,8 @@ def test_the_cli_under_the_launcher_trains_and_predicts_every_example(tmp_path):
     def cli(*args):
         command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
         command += ["--", sys.executable, "-m", "estimax.cli", *args, "--model-dir", str(tmp_path / "run")]
-        return _finish(
-            subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return finish(
+            subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
 
     out = cli("train", "--max-steps", "10", "--steps-per-loop", "10", "--loop", "step")

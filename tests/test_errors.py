@@ -14,9 +14,8 @@ import grain
 import jax
 import numpy as np
 import pytest
+from helpers import mean_loss_fn, no_predict_branch_fn, read_only, sgd_estimator, write_idx
 from models import MLP, blobs, estimator
-from test_model_fn_checks import _estimator, _mean_loss_fn, _no_predict_branch_fn, _write_idx
-from test_reliability import _read_only
 
 import estimax as ex
 from estimax.errors import one_line
@@ -64,7 +63,7 @@ def _a_function_as_a_hook(tmp_path, request):
 
 
 def _a_read_only_model_dir(tmp_path, request):
-    with _read_only(tmp_path / "run"):
+    with read_only(tmp_path / "run"):
         estimator(str(tmp_path / "run")).train(DATA, max_steps=4)
 
 
@@ -86,23 +85,23 @@ def _text_features(tmp_path, request):
 
 def _a_mean_loss_where_evaluation_pads(tmp_path, request):
     padded = ex.data.from_arrays(*blobs(100))
-    _estimator(_mean_loss_fn, model_dir=str(tmp_path / "run")).train_and_evaluate(
+    sgd_estimator(mean_loss_fn, model_dir=str(tmp_path / "run")).train_and_evaluate(
         DATA, padded, max_steps=8, eval_every_steps=4
     )
 
 
 def _predict_without_a_predict_branch(tmp_path, request):
-    _estimator(_no_predict_branch_fn).predict(ex.data.from_arrays(FEATURES))
+    sgd_estimator(no_predict_branch_fn).predict(ex.data.from_arrays(FEATURES))
 
 
 def _images_of_another_size(tmp_path, request):
     rng = np.random.default_rng(0)
-    _write_idx(tmp_path, "train", rng.integers(0, 255, (64, 14, 14)), rng.integers(0, 10, 64))
-    _estimator(mnist.model_fn, mnist.model).train(ex.data.idx.mnist(tmp_path), max_steps=1)
+    write_idx(tmp_path, "train", rng.integers(0, 255, (64, 14, 14)), rng.integers(0, 10, 64))
+    sgd_estimator(mnist.model_fn, mnist.model).train(ex.data.idx.mnist(tmp_path), max_steps=1)
 
 
 def _a_module_class_as_the_model(tmp_path, request):
-    _estimator(model=MLP)
+    sgd_estimator(model=MLP)
 
 
 def _a_grain_dataset_of_examples(tmp_path, request):
@@ -277,10 +276,12 @@ def test_each_mistake_of_the_guide_raises_the_error_it_shows(mistake, tmp_path, 
     assert not missing, f"{mistake}: the guide shows {message!r}; raised {one_line(raised)}"
 
 
+@pytest.mark.quick
 def test_every_mistake_here_is_a_row_of_the_guide():
     assert set(MISTAKES) <= set(guide_rows()), sorted(set(MISTAKES) - set(guide_rows()))
 
 
+@pytest.mark.quick
 def test_every_kind_is_a_top_level_name_and_derives_from_a_builtin():
     kinds = {
         name: value

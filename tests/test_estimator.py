@@ -23,6 +23,7 @@ def _max_relative(a, b):
     return max(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-12)) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.quick
 def test_training_matches_a_handwritten_jit_loop():
     features, labels = blobs(256)
     data = ex.data.from_arrays(features, labels)
@@ -54,6 +55,7 @@ def _predictions_after(steps, **config):
     return [np.stack([r["logits"] for r in est.predict(ex.data.from_arrays(features))])], est
 
 
+@pytest.mark.quick
 def test_results_do_not_depend_on_steps_per_loop_mode_or_device_count():
     (k1,), _ = _predictions_after(14, steps_per_loop=1, loop="scan")
     (k4,), _ = _predictions_after(14, steps_per_loop=4, loop="scan")
@@ -121,6 +123,7 @@ def test_a_resumed_auto_run_keeps_the_mode_of_its_checkpoint(tmp_path, estimax_l
     assert "no convolution" not in estimax_log.text  # not chosen again
 
 
+@pytest.mark.quick
 def test_evaluate_counts_every_example_once():
     features, labels = blobs(1001, seed=1)
     est = estimator(eval_batch_size=64).train(ex.data.from_arrays(*blobs(512)), max_steps=20)
@@ -143,6 +146,7 @@ def test_evaluate_steps_limits_the_batches():
     assert est.evaluate(ex.data.from_arrays(features, labels), steps=3)["num_examples"] == 192
 
 
+@pytest.mark.quick
 def test_predict_returns_every_example_in_order():
     features, _ = blobs(1001, seed=2)
     est = estimator(predict_batch_size=64).train(ex.data.from_arrays(*blobs(512)), max_steps=8)
@@ -190,6 +194,7 @@ def test_epochs_train_whole_passes(caplog):
     assert "15 steps of 64 examples; 40 examples per epoch are dropped" in caplog.text
 
 
+@pytest.mark.quick
 def test_checkpoints_restore_in_a_new_estimator(model_dir):
     data = ex.data.from_arrays(*blobs(256))
     first = estimator(model_dir, save_every_steps=4).train(data, max_steps=12)

@@ -20,6 +20,7 @@ import urllib.request
 
 import fsspec
 import pytest
+from helpers import LEASE_JOB, ended, error_lines, resume_paused
 from stores import GCSEmulator
 
 from estimax import storage
@@ -27,9 +28,7 @@ from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailable
 from estimax.lease import PAUSE_SECONDS, LeaseLock
 from estimax.lock import LOCK_FILE, Lock, holder_record
 
-JOB = os.path.join(os.path.dirname(__file__), "lease_job.py")
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
-ERROR = "estimax: error: "
 
 
 def _listing(url: str) -> dict:
@@ -49,13 +48,6 @@ def _pause(process) -> None:
     os.waitpid(process.pid, os.WUNTRACED)  # returns once it is stopped
 
 
-def _resume(process) -> float:
-    process.stdin.write("go\n")
-    process.stdin.flush()
-    process.send_signal(signal.SIGCONT)
-    return time.monotonic()
-
-
 def _take_over(url: str) -> tuple[LeaseLock, float]:
     """This process takes the lease once it has expired (a long lease of its own: it is not under test)."""
     began = time.monotonic()
@@ -67,27 +59,10 @@ def _take_over(url: str) -> tuple[LeaseLock, float]:
             time.sleep(0.1)
 
 
-def _ended(process, since: float) -> tuple[str, float, float]:
-    """``(stderr, seconds until its error line, seconds until it exited)`` of a job, from ``since``."""
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        if line.startswith(ERROR):
-            break
-    said = time.monotonic() - since
-    lines.append(process.stderr.read())  # until it exits
-    process.wait()
-    return "".join(lines), said, time.monotonic() - since
-
-
-def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith(ERROR)]
-
-
 def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_process_that_took_over(gcs):
     url = "gs://bkt/paused"
     job = subprocess.Popen(
-        [sys.executable, JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, LEASE_JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, "ESTIMAX_LEASE_SECONDS": str(LEASE)},
     )  # fmt: skip
     ready = job.stdout.readline()
@@ -95,8 +70,8 @@ def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_proce
     _pause(job)
     taker, waited = _take_over(url)
     before = _listing(url)
-    stderr, said, exited = _ended(job, _resume(job))
-    lines = _error_lines(stderr)
+    stderr, said, exited = ended(job, resume_paused(job))
+    lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
     assert f"another process took over the lock {url}/estimax.lock" in lines[0]
@@ -157,13 +132,13 @@ def test_a_paused_holder_on_s3_goes_on_when_nobody_took_its_lease_and_stops_when
     lock = f"{url}/estimax.lock"
     while time.time() - json.loads(storage.read_bytes(lock))["renewed_at"] <= lease:  # until it has expired
         time.sleep(0.1)
-    _resume(holder)
+    resume_paused(holder)
     assert holder.stdout.readline() == "holding\n", holder.communicate()  # proven again: it goes on
     _pause(holder)
     taker, _ = _take_over(url)
-    _resume(holder)
+    resume_paused(holder)
     _, stderr = holder.communicate(timeout=60)
-    lines = _error_lines(stderr)
+    lines = error_lines(stderr)
     assert holder.returncode == LeaseLostError.exit_code == 74 and len(lines) == 1, stderr
     assert "nobody took the lease over: writing goes on" in stderr  # the first pause
     assert f"another process took over the lock {lock}" in lines[0] and f"pid {os.getpid()}" in lines[0]
@@ -177,7 +152,7 @@ def test_a_store_that_goes_away_mid_run_ends_it_within_its_lease_with_one_line(t
     settings = {"ESTIMAX_LEASE_SECONDS": str(LEASE), "ESTIMAX_STORE_DEADLINE_SECONDS": "2"}
     try:
         job = subprocess.Popen(
-            [sys.executable, JOB, "gs://bkt/cut", "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, LEASE_JOB, "gs://bkt/cut", "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, **emulator.env, **settings},
         )  # fmt: skip
         assert job.stdout.readline().startswith("waiting at step"), job.communicate()
@@ -186,10 +161,10 @@ def test_a_store_that_goes_away_mid_run_ends_it_within_its_lease_with_one_line(t
         step = max(int(name.split("/")[2]) for name in names)
         emulator.process.kill()
         emulator.process.wait()
-        stderr, said, exited = _ended(job, _resume(job))
+        stderr, said, exited = ended(job, resume_paused(job))
     finally:
         emulator.stop()
-    lines = _error_lines(stderr)
+    lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1, stderr
     # The lease's renewal or the records' upload before the next checkpoint finds it first: either says so.
     assert re.search(r"gs://bkt/cut/(estimax.lock: renewing the lease|metrics.jsonl: writing): the store did not "
@@ -286,7 +261,7 @@ def test_a_later_attempt_of_a_run_takes_its_lease_over_at_once_and_other_runs_ar
 def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_writes_nothing(gcs):
     url = "gs://bkt/next-attempt"
     env = {**os.environ, **ATTEMPTS, "ESTIMAX_RUN_ID": "job-9"}
-    job = subprocess.Popen([sys.executable, JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    job = subprocess.Popen([sys.executable, LEASE_JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     assert job.stdout.readline().startswith("waiting at step"), job.communicate()
     _pause(job)
@@ -295,8 +270,8 @@ def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_wri
     second, taken = _holder(url, env)
     # A pause that it can tell from a busy machine (a shorter one: see PAUSE_SECONDS).
     time.sleep(max(0.0, paused + 2 * PAUSE_SECONDS - time.monotonic()))
-    stderr, said, exited = _ended(job, _resume(job))
-    lines = _error_lines(stderr)
+    stderr, said, exited = ended(job, resume_paused(job))
+    lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
     took = f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
@@ -339,16 +314,16 @@ def _files(directory) -> dict:
 def test_on_a_disk_a_later_attempt_takes_a_live_holders_lock_over_and_the_paused_holder_writes_nothing(tmp_path):
     model_dir = str(tmp_path / "run")
     env = {**os.environ, "ESTIMAX_RUN_ID": "job-11"}
-    job = subprocess.Popen([sys.executable, JOB, model_dir, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    job = subprocess.Popen([sys.executable, LEASE_JOB, model_dir, "6", "40"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     waiting = job.stdout.readline()
     assert waiting.startswith("waiting at step"), job.communicate()
     _appended(os.path.join(model_dir, "metrics.jsonl"), int(waiting.split()[-1]))  # no record is being written
     _pause(job)  # alive on this host: only a later attempt of its run takes its lock
     before = _files(model_dir)
     second, _ = _holder(model_dir, env)
-    stderr, _, _ = _ended(job, _resume(job))
-    lines = _error_lines(stderr)
+    stderr, _, _ = ended(job, resume_paused(job))
+    lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     assert "a later attempt of this process's run (ESTIMAX_RUN_ID=job-11) took over the lock" in lines[0]
     assert _files(model_dir) == before

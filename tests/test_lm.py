@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_accumulation import Outputs
-from test_cli import _estimax
+from helpers import Outputs, run_estimax
 
 import estimax as ex
 from estimax.examples import lm
@@ -112,7 +111,7 @@ def test_estimax_train_example_lm_on_a_directory_of_text(tmp_path):
     data_dir.mkdir()
     for i in range(20):
         (data_dir / f"{i:02d}.txt").write_text(f"line {i}: the quick brown fox jumps over the lazy dog.\n" * 40)
-    out = _estimax(
+    out = run_estimax(
         "train", "--example", "lm", "--data-dir", str(data_dir), "--model-dir", str(tmp_path / "run"),
         "--max-steps", "4", "--steps-per-loop", "2", "--batch-size", "8", "--grad-accum", "2",
     )  # fmt: skip

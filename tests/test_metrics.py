@@ -404,16 +404,19 @@ def test_two_processes_of_four_devices_equal_one_of_eight(tmp_path):
     import subprocess
     import sys
 
-    from test_distributed import _env, _finish
+    from helpers import finish, job_env
 
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics_job.py")
     one = subprocess.run(
-        [sys.executable, job, str(tmp_path / "one")], env=_env(JAX_NUM_CPU_DEVICES="8"), capture_output=True, text=True
+        [sys.executable, job, str(tmp_path / "one")],
+        env=job_env(JAX_NUM_CPU_DEVICES="8"),
+        capture_output=True,
+        text=True,
     )
     assert one.returncode == 0, one.stdout + one.stderr
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
     command += ["--", sys.executable, job, str(tmp_path / "two")]
-    _finish(subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    finish(subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     (single,) = [json.load(open(tmp_path / "one" / "result-0.json"))]
     group = [json.load(open(tmp_path / "two" / f"result-{p}.json")) for p in range(2)]
     assert (single["processes"], single["devices"]) == (1, 8)

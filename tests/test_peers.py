@@ -13,7 +13,7 @@ import sys
 import textwrap
 import time
 
-from test_distributed import JOB, _env, _steps
+from helpers import MULTIHOST_JOB, checkpoint_steps, job_env
 
 from estimax import distributed
 from estimax.peers import PEER_LOST_EXIT_CODE
@@ -22,7 +22,7 @@ TIMEOUT = 2
 
 
 def _process(command, port, rank, size):
-    env = _env(
+    env = job_env(
         JAX_NUM_CPU_DEVICES="1",
         ESTIMAX_COORDINATOR=f"127.0.0.1:{port}",
         ESTIMAX_NUM_PROCESSES=str(size),
@@ -43,10 +43,10 @@ def _lost_line(out: str) -> str:
 
 def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_committed_step(tmp_path):
     model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
-    group = [_process([JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
+    group = [_process([MULTIHOST_JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
     try:
         deadline = time.monotonic() + 120
-        while not _steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
+        while not checkpoint_steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
             assert group[0].poll() is None and time.monotonic() < deadline, group[0].communicate()[0]
             time.sleep(0.05)
         with open(os.path.join(out_dir, "pid-1")) as f:
@@ -71,8 +71,8 @@ def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_c
         assert "A checkpoint was being saved: the same command resumes from the latest committed one" in line, line
     else:
         named = int(found.group(1))
-        assert named == max(_steps(model_dir)) or "a later one was being saved" in line, line
-        assert named in _steps(model_dir) and f"resume from step {named} with the same command" in line
+        assert named == max(checkpoint_steps(model_dir)) or "a later one was being saved" in line, line
+        assert named in checkpoint_steps(model_dir) and f"resume from step {named} with the same command" in line
     assert "Check failure" not in out  # estimax's line, not JAX's abort
 
 

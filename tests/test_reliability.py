@@ -20,6 +20,7 @@ import warnings
 import numpy as np
 import optax
 import pytest
+from helpers import read_only
 from models import blobs, estimator
 
 import estimax as ex
@@ -239,26 +240,6 @@ def test_evaluate_predict_and_model_warn_once_about_initial_weights(model_dir):
 # -- 5 and 6: checks before the first step; read-only model_dir ----------------------------
 
 
-@contextlib.contextmanager
-def _read_only(directory):
-    """``directory`` read-only: a read-only bind mount (root), else permissions (other users)."""
-    os.makedirs(directory, exist_ok=True)
-    if os.geteuid() != 0:
-        os.chmod(directory, 0o555)
-        try:
-            yield
-        finally:
-            os.chmod(directory, 0o755)
-        return
-    if subprocess.run(["mount", "--bind", directory, directory], capture_output=True).returncode != 0:
-        pytest.skip("root cannot bind-mount here, and permissions do not bind root")
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", directory], check=True, capture_output=True)
-        yield
-    finally:
-        subprocess.run(["umount", directory], check=True)
-
-
 def test_mistakes_are_found_before_the_first_step(model_dir):
     est = estimator(model_dir, eval_batch_size=12)
     with pytest.raises(ValueError, match=r"eval_batch_size=12\) does not divide the 8 devices.*use 8 or 16"):
@@ -298,7 +279,7 @@ def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
 
 def test_a_read_only_model_dir(model_dir, caplog):
     estimator(model_dir).train(DATA, max_steps=4)
-    with _read_only(model_dir):
+    with read_only(model_dir):
         est = estimator(model_dir)
         with pytest.raises(
             ModelDirNotWritable,

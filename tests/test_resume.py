@@ -1,117 +1,71 @@
 """Killed and resumed runs end exactly where an uninterrupted run ends (real subprocesses)."""
 
-import json
-import os
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-
-JOB = os.path.join(os.path.dirname(__file__), "resumable_job.py")
-STEPS = 40
+from helpers import RESUMABLE_STEPS, final_params, saved_checkpoints, start_resumable, train_losses, wait_for
 
 
-def _start(model_dir, max_steps=STEPS, *extra):
-    return subprocess.Popen(
-        [sys.executable, JOB, model_dir, str(max_steps), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def _run(model_dir, max_steps=STEPS):
-    process = _start(model_dir, max_steps)
+def _run(model_dir, max_steps=RESUMABLE_STEPS):
+    process = start_resumable(model_dir, max_steps)
     out, _ = process.communicate(timeout=120)
     assert process.returncode == 0, out
     return out
-
-
-def _checkpoints(model_dir):
-    root = os.path.join(model_dir, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    return sorted(int(n) for n in names if n.isdigit()), [n for n in names if "tmp" in n]
-
-
-def _wait_for(process, condition, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, process.stdout.read()
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.002)
-
-
-def _final_params(model_dir):
-    manager = ocp.CheckpointManager(os.path.join(model_dir, "checkpoints"))
-    step = manager.latest_step()
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
-    leaves, _ = __import__("jax").tree_util.tree_flatten_with_path(state["params"])
-    return step, {str(path): np.asarray(x) for path, x in leaves}
-
-
-def _losses(model_dir):
-    """The last logged loss of every step (a resumed run logs the steps it redoes again)."""
-    with open(os.path.join(model_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    return {r["step"]: r["loss"] for r in records if r["split"] == "train"}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("uninterrupted") / "run")
     _run(model_dir)
-    return _final_params(model_dir), _losses(model_dir)
+    return final_params(model_dir), train_losses(model_dir)
 
 
 def _assert_identical(model_dir, uninterrupted):
-    (step, params), losses = _final_params(model_dir), _losses(model_dir)
+    (step, params), losses = final_params(model_dir), train_losses(model_dir)
     (ref_step, ref_params), ref_losses = uninterrupted
-    assert step == ref_step == STEPS
+    assert step == ref_step == RESUMABLE_STEPS
     for name, value in ref_params.items():
         np.testing.assert_array_equal(params[name], value)  # bitwise
-    assert losses == ref_losses and len(losses) == STEPS
+    assert losses == ref_losses and len(losses) == RESUMABLE_STEPS
 
 
 def test_sigkill_at_three_points_then_resume_is_bitwise_identical(tmp_path, uninterrupted):
     model_dir = str(tmp_path / "run")
     # 1: soon after the first checkpoint.
-    process = _start(model_dir)
-    _wait_for(process, lambda: len(_checkpoints(model_dir)[0]) > 0)
+    process = start_resumable(model_dir)
+    wait_for(process, lambda: len(saved_checkpoints(model_dir)[0]) > 0)
     process.kill()
     process.wait()
     # 2: during an async save (a temporary directory is being written); retried until caught in the act.
     for _attempt in range(5):
-        process = _start(model_dir)
-        _wait_for(process, lambda: _checkpoints(model_dir)[1] and max(_checkpoints(model_dir)[0] or [0]) >= 12)
+        process = start_resumable(model_dir)
+        wait_for(process, lambda: saved_checkpoints(model_dir)[1] and max(saved_checkpoints(model_dir)[0] or [0]) >= 12)
         process.kill()
         process.wait()
-        if _checkpoints(model_dir)[1]:
+        if saved_checkpoints(model_dir)[1]:
             break
-    assert _checkpoints(model_dir)[1], "no kill landed during a save"
+    assert saved_checkpoints(model_dir)[1], "no kill landed during a save"
     # 3: later on.
-    process = _start(model_dir)
-    _wait_for(process, lambda: max(_checkpoints(model_dir)[0] or [0]) >= 25)
+    process = start_resumable(model_dir)
+    wait_for(process, lambda: max(saved_checkpoints(model_dir)[0] or [0]) >= 25)
     process.kill()
     process.wait()
     _run(model_dir)
-    assert not _checkpoints(model_dir)[1]  # leftovers of the killed save were cleaned up
+    assert not saved_checkpoints(model_dir)[1]  # leftovers of the killed save were cleaned up
     _assert_identical(model_dir, uninterrupted)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_and_exits_for_requeue(tmp_path, uninterrupted, signum):
     model_dir = str(tmp_path / "run")
-    process = _start(model_dir)
-    _wait_for(process, lambda: max(_checkpoints(model_dir)[0] or [0]) >= 10)
+    process = start_resumable(model_dir)
+    wait_for(process, lambda: max(saved_checkpoints(model_dir)[0] or [0]) >= 10)
     process.send_signal(signum)
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 75, out
     stopped = int(out.split("training stopped at step ")[1].split()[0])
-    assert max(_checkpoints(model_dir)[0]) == stopped and stopped < STEPS
+    assert max(saved_checkpoints(model_dir)[0]) == stopped and stopped < RESUMABLE_STEPS
     assert f"{signal.Signals(signum).name} received" in out
     _run(model_dir)
     _assert_identical(model_dir, uninterrupted)
@@ -119,7 +73,7 @@ def test_a_signal_saves_and_exits_for_requeue(tmp_path, uninterrupted, signum):
 
 def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_path):
     model_dir = str(tmp_path / "run")
-    process = _start(model_dir, STEPS, "evaluate")
+    process = start_resumable(model_dir, RESUMABLE_STEPS, "evaluate")
     seen, trained = [], False
     # The first evaluation (after step 5) has begun; the input also says "evaluating" when the
     # call's start-of-call check reads its first batch, before training.
@@ -131,7 +85,7 @@ def test_a_signal_during_evaluation_saves_and_exits_without_finishing_it(tmp_pat
     out, _ = process.communicate(timeout=60)
     assert process.returncode == 75, "".join(seen) + out
     assert "evaluation input exhausted" not in out, "the evaluation was not interrupted"
-    assert max(_checkpoints(model_dir)[0]) == 5 and "training stopped at step 5" in out
+    assert max(saved_checkpoints(model_dir)[0]) == 5 and "training stopped at step 5" in out
 
 
 def test_a_plain_generator_resumed_from_a_checkpoint_is_said_to_start_again(model_dir, estimax_log):

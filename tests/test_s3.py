@@ -6,7 +6,6 @@ patch (estimax/orbax_s3.py) checked against the installed Orbax."""
 import base64
 import json
 import os
-import signal
 import time
 import urllib.request
 
@@ -15,8 +14,8 @@ import jax
 import numpy as np
 import optax
 import pytest
+from helpers import STORE_DATA, SigtermAfter, bucket_names, store_estimator
 from models import mlp, model_fn
-from test_storage import DATA, bucket_names, estimator
 
 import estimax as ex
 from estimax import orbax_s3, storage
@@ -28,17 +27,6 @@ from estimax.lock import holder_record
 def assert_same_params(a, b):
     for x, y in zip(jax.tree.leaves(jax.device_get(a.params)), jax.tree.leaves(jax.device_get(b.params)), strict=True):
         np.testing.assert_array_equal(x, y)
-
-
-class SigtermAfter(ex.Hook):
-    """Sends this process a real SIGTERM at the end of the loop that reaches ``step``."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def after_loop(self, loop):
-        if loop.step_before < self.step <= loop.step_after:
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def requests_for_objects(server_url: str) -> list[tuple[str, str]]:
@@ -69,8 +57,8 @@ def test_s3_model_dir_trains_keeps_n_heals_resumes_bitwise_evaluates_exports_and
     moto_api(s3.url, "reset-recording")
     moto_api(s3.url, "start-recording")
     try:
-        estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
-            ex.data.from_arrays(*DATA), max_steps=16
+        store_estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
+            ex.data.from_arrays(*STORE_DATA), max_steps=16
         )
     finally:
         moto_api(s3.url, "stop-recording")
@@ -88,23 +76,25 @@ def test_s3_model_dir_trains_keeps_n_heals_resumes_bitwise_evaluates_exports_and
     fs, inner = fsspec.core.url_to_fs(url)
     fs.rm_file(f"{inner}/checkpoints/16/commit_success.txt")
     fs.pipe_file(next(p for p in fs.find(f"{inner}/checkpoints/12/state") if "/d/" in p), b"garbage")
-    assert estimator(url).step == 8  # a reader lists neither 16 (uncommitted) nor uses 12 (damaged)
+    assert store_estimator(url).step == 8  # a reader lists neither 16 (uncommitted) nor uses 12 (damaged)
 
     # A new process's view: resumes from step 8; a SIGTERM after step 12 saves it and stops (exit 75).
     with pytest.raises(ex.Preempted) as stopped:
-        estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
-            ex.data.from_arrays(*DATA), max_steps=24, hooks=[SigtermAfter(12)]
+        store_estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
+            ex.data.from_arrays(*STORE_DATA), max_steps=24, hooks=[SigtermAfter(12)]
         )
     log = estimax_log.text
     assert f"The save of step 16 in {url}/checkpoints never finished" in log
     assert "Restored step 8" in log and "Moved the damaged checkpoint" in log
     assert any(".corrupt-" in n for n in bucket_names(url))
-    assert stopped.value.step == 12 and estimator(url).step == 12  # the preemption save is committed
+    assert stopped.value.step == 12 and store_estimator(url).step == 12  # the preemption save is committed
 
     # Run again, it ends exactly as an uninterrupted run.
-    resumed = estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
-    resumed.train(ex.data.from_arrays(*DATA), max_steps=24)
-    local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=24)
+    resumed = store_estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
+    resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=24)
+    local = store_estimator(str(tmp_path / "local"), checkpoint=policy).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=24
+    )
     assert_same_params(resumed.state(), local.state())
 
     with fsspec.open(f"{url}/metrics.jsonl") as f:
@@ -118,15 +108,15 @@ def test_s3_model_dir_trains_keeps_n_heals_resumes_bitwise_evaluates_exports_and
     events.Reload()
     assert sorted({e.step for e in events.Scalars("loss")}) == list(range(1, 25))
 
-    reader = estimator(url)
+    reader = store_estimator(url)
     assert reader.step == 24
-    assert reader.evaluate(ex.data.from_arrays(*DATA)) == local.evaluate(ex.data.from_arrays(*DATA))
-    at_20 = reader.evaluate(ex.data.from_arrays(*DATA), checkpoint=f"{url}/checkpoints/20")
-    assert at_20 == local.evaluate(ex.data.from_arrays(*DATA), checkpoint=str(tmp_path / "local/checkpoints/20"))
-    exported = reader.export("s3://bkt/exports/e2e", example_features={"x": DATA[0]["x"][:1]})
+    assert reader.evaluate(ex.data.from_arrays(*STORE_DATA)) == local.evaluate(ex.data.from_arrays(*STORE_DATA))
+    at_20 = reader.evaluate(ex.data.from_arrays(*STORE_DATA), checkpoint=f"{url}/checkpoints/20")
+    assert at_20 == local.evaluate(ex.data.from_arrays(*STORE_DATA), checkpoint=str(tmp_path / "local/checkpoints/20"))
+    exported = reader.export("s3://bkt/exports/e2e", example_features={"x": STORE_DATA[0]["x"][:1]})
     assert exported == "s3://bkt/exports/e2e" and "signature.json" in bucket_names(exported)
-    served = ex.serving.load(exported)({"x": DATA[0]["x"][:8]})
-    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": DATA[0]["x"][:8]}))]
+    served = ex.serving.load(exported)({"x": STORE_DATA[0]["x"][:8]})
+    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": STORE_DATA[0]["x"][:8]}))]
     np.testing.assert_array_equal(served["class"], expected)
     assert not os.path.exists(tmp_path / "s3:")
 
@@ -138,9 +128,9 @@ def test_s3_best_checkpoint_warm_start_and_lease_takeover_through_aws_endpoint_u
     url = "s3://bkt/best"
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
-    est = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    est = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     est.train_and_evaluate(
-        ex.data.from_arrays(*DATA), ex.data.from_arrays(*DATA), max_steps=12, eval_every_steps=4,
+        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every_steps=4,
         best=ex.Best("accuracy"),
     )  # fmt: skip
     assert f"Took over the lock of model_dir {url}: its lease expired" in estimax_log.text
@@ -158,7 +148,7 @@ def test_s3_lock_is_a_conditional_create_that_names_the_holder(s3):
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
     with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
-        estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
+        store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
     storage.remove(f"{url}/estimax.lock")
     with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
         assert lock.held
@@ -167,9 +157,9 @@ def test_s3_lock_is_a_conditional_create_that_names_the_holder(s3):
 
 
 def test_s3_missing_bucket_is_one_line_before_the_first_step(s3):
-    est = estimator("s3://no-such-bucket/run")
+    est = store_estimator("s3://no-such-bucket/run")
     with pytest.raises(StorageError, match="s3://no-such-bucket/run: bucket 'no-such-bucket' does not exist.*Fix"):
-        est.train(ex.data.from_arrays(*DATA), max_steps=4)
+        est.train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
     assert est.step == 0
 
 

@@ -7,6 +7,8 @@ from models import MLP, blobs, model_fn
 
 import estimax as ex
 
+pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
+
 
 def _estimator(fn, **config):
     config.setdefault("train_batch_size", 32)

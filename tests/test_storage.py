@@ -13,7 +13,8 @@ import jax
 import numpy as np
 import optax
 import pytest
-from models import blobs, mlp, model_fn
+from helpers import STORE_DATA, bucket_names, store_estimator
+from models import mlp, model_fn
 
 import estimax as ex
 from estimax import storage
@@ -21,21 +22,6 @@ from estimax.data import tfrecord
 from estimax.errors import StorageError
 from estimax.lease import LeaseLock
 from estimax.lock import holder_record
-
-DATA = blobs(256)
-
-
-def estimator(model_dir, **config):
-    settings = dict(model_dir=model_dir, train_batch_size=32, steps_per_loop=4, tensorboard=False, quiet=True)
-    settings.update(config)
-    return ex.Estimator(mlp, model_fn, optax.adam(1e-2), ex.RunConfig(**settings))
-
-
-def bucket_names(url: str) -> list[str]:
-    fs, inner = fsspec.core.url_to_fs(url)
-    fs.invalidate_cache()
-    return sorted(p[len(inner) + 1 :] for p in fs.find(inner))
-
 
 # -- paths as users type them -----------------------------------------------------------
 
@@ -48,7 +34,7 @@ def test_paths_expand_home_and_variables_and_keep_urls(monkeypatch, tmp_path):
     assert storage.resolve("file:///tmp/z") == "/tmp/z"
     assert storage.resolve("gs://bucket/run/") == "gs://bucket/run"
     assert storage.join("gs://bucket/run", "checkpoints") == "gs://bucket/run/checkpoints"
-    assert estimator("~/run").run_dir.url == str(tmp_path / "run")
+    assert store_estimator("~/run").run_dir.url == str(tmp_path / "run")
     assert not os.path.exists("~")
 
 
@@ -56,7 +42,7 @@ def test_a_store_that_cannot_hold_checkpoints_is_refused_before_anything_is_writ
     monkeypatch.chdir(tmp_path)
     url = "memory://runs/digits"
     with pytest.raises(StorageError, match=f"model_dir {url}: .*Fix: use"):
-        estimator(url)
+        store_estimator(url)
     assert os.listdir(tmp_path) == []  # no local folder named after the URL
 
 
@@ -67,8 +53,8 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     monkeypatch.chdir(tmp_path)
     url = "gs://bkt/e2e"
     policy = ex.CheckpointPolicy(every_steps=8)
-    estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
-        ex.data.from_arrays(*DATA), max_steps=16
+    store_estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=16
     )
     names = bucket_names(url)
     assert any(n.startswith("checkpoints/8/") for n in names) and any(n.startswith("checkpoints/16/") for n in names)
@@ -76,9 +62,11 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     assert not os.path.exists(tmp_path / "gs:")  # nothing local named after the URL
 
     # A new process's view: resumes from the bucket and continues exactly as an uninterrupted run.
-    resumed = estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
-    resumed.train(ex.data.from_arrays(*DATA), max_steps=32)
-    local = estimator(str(tmp_path / "local"), checkpoint=policy).train(ex.data.from_arrays(*DATA), max_steps=32)
+    resumed = store_estimator(url, checkpoint=policy, tensorboard=True, log_every_steps=8)
+    resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=32)
+    local = store_estimator(str(tmp_path / "local"), checkpoint=policy).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=32
+    )
     a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -93,25 +81,28 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     events.Reload()
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
 
-    reader = estimator(url)
+    reader = store_estimator(url)
     assert reader.step == 32
-    assert reader.evaluate(ex.data.from_arrays(*DATA)) == local.evaluate(ex.data.from_arrays(*DATA))
+    assert reader.evaluate(ex.data.from_arrays(*STORE_DATA)) == local.evaluate(ex.data.from_arrays(*STORE_DATA))
     assert (
-        estimator(None).evaluate(ex.data.from_arrays(*DATA), checkpoint=f"{url}/checkpoints/16")["num_examples"] == 256
+        store_estimator(None).evaluate(ex.data.from_arrays(*STORE_DATA), checkpoint=f"{url}/checkpoints/16")[
+            "num_examples"
+        ]
+        == 256
     )
 
-    exported = reader.export("gs://bkt/exports/mlp", example_features={"x": DATA[0]["x"][:1]})
+    exported = reader.export("gs://bkt/exports/mlp", example_features={"x": STORE_DATA[0]["x"][:1]})
     assert exported == "gs://bkt/exports/mlp" and "signature.json" in bucket_names(exported)
-    served = ex.serving.load(exported)({"x": DATA[0]["x"][:8]})
-    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": DATA[0]["x"][:8]}))]
+    served = ex.serving.load(exported)({"x": STORE_DATA[0]["x"][:8]})
+    expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": STORE_DATA[0]["x"][:8]}))]
     np.testing.assert_array_equal(served["class"], expected)
 
 
 def test_gs_best_checkpoint_and_warm_start_from_a_bucket(gcs):
     url = "gs://bkt/best"
-    est = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    est = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     est.train_and_evaluate(
-        ex.data.from_arrays(*DATA), ex.data.from_arrays(*DATA), max_steps=12, eval_every_steps=4,
+        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every_steps=4,
         best=ex.Best("accuracy"),
     )  # fmt: skip
     assert any(n.startswith("best/") for n in bucket_names(url))
@@ -124,13 +115,15 @@ def test_gs_best_checkpoint_and_warm_start_from_a_bucket(gcs):
 
 def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
     url = "gs://bkt/heal"
-    estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(ex.data.from_arrays(*DATA), max_steps=8)
+    store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=8
+    )
     fs, inner = fsspec.core.url_to_fs(url)
     arrays = [p for p in fs.find(f"{inner}/checkpoints/8/state") if "/d/" in p]
     fs.pipe_file(arrays[0], b"garbage")  # an altered array file
-    healed = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    healed = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     with caplog.at_level("INFO", logger="estimax"):
-        healed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+        healed.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
     names = bucket_names(url)
     assert any(".corrupt-" in n for n in names) and any(n.startswith("checkpoints/8/") for n in names)
     assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
@@ -138,18 +131,20 @@ def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
 
 def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_path, caplog):
     url = "gs://bkt/unfinished"
-    estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(ex.data.from_arrays(*DATA), max_steps=8)
+    store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=8
+    )
     fs, inner = fsspec.core.url_to_fs(url)
     # A bucket has no atomic rename: a save stopped mid-write leaves the step's folder without Orbax's marker.
     fs.rm_file(f"{inner}/checkpoints/8/commit_success.txt")
-    resumed = estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    resumed = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     with caplog.at_level("INFO", logger="estimax"):
-        resumed.train(ex.data.from_arrays(*DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+        resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
     assert f"The save of step 8 in {url}/checkpoints never finished" in caplog.text
     assert "Restored checkpoint step 4" in caplog.text
     assert "checkpoints/8/commit_success.txt" in bucket_names(url)
-    local = estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
-    local.train(ex.data.from_arrays(*DATA), max_steps=8)
+    local = store_estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
+    local.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)
     a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -160,10 +155,10 @@ def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
     holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
     with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
-        estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4)
+        store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
     storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
     with caplog.at_level("WARNING", logger="estimax"):
-        assert estimator(url).train(ex.data.from_arrays(*DATA), max_steps=4).step == 4
+        assert store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4).step == 4
     assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text
 
     with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
@@ -173,9 +168,9 @@ def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
 
 
 def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
-    est = estimator("gs://no-such-bucket/run")
+    est = store_estimator("gs://no-such-bucket/run")
     with pytest.raises(StorageError, match="gs://no-such-bucket/run: bucket 'no-such-bucket' does not exist.*Fix"):
-        est.train(ex.data.from_arrays(*DATA), max_steps=4)
+        est.train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
     assert est.step == 0
 
 
@@ -185,11 +180,11 @@ def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(
 ):
     """2 processes x 4 devices write one model_dir on a bucket; one is killed with SIGKILL after a save;
     the restarted group ends with the parameters of an uninterrupted run, bit for bit."""
-    from test_distributed import STEPS, _finish, _launcher, _max_difference, _result
+    from helpers import MULTIHOST_STEPS, finish, launch_group, max_difference, read_result
 
     request.getfixturevalue({"gs": "gcs", "s3": "s3"}[store])  # the store's server on 127.0.0.1
     url, out_dir = f"{store}://bkt/multihost", tmp_path / "out"
-    launcher = _launcher(url, str(out_dir), "train", str(STEPS), "1.0", max_restarts=1)
+    launcher = launch_group(url, str(out_dir), "train", str(MULTIHOST_STEPS), "1.0", max_restarts=1)
     deadline = time.monotonic() + 120
     # A bucket has no atomic rename: a step's folder is listed while it is written. Step 8's folder
     # means step 4 was committed (a save starts once the one before it has finished).
@@ -197,22 +192,24 @@ def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0]
         time.sleep(0.1)
     os.kill(int((out_dir / "pid-1").read_text()), signal.SIGKILL)
-    out = _finish(launcher, timeout=240)
+    out = finish(launcher, timeout=240)
     assert "restarting the group from its latest checkpoint" in out and "Restored checkpoint step" in out
-    resumed, uninterrupted = _result(out_dir), uninterrupted_two_processes
-    assert resumed["step"] == STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
-    assert _max_difference(resumed["params"], uninterrupted["params"]) == 0.0
+    resumed, uninterrupted = read_result(out_dir), uninterrupted_two_processes
+    assert resumed["step"] == MULTIHOST_STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
+    assert max_difference(resumed["params"], uninterrupted["params"]) == 0.0
     assert resumed["eval"] == uninterrupted["eval"]
 
 
 def test_tfrecord_data_in_a_bucket_trains_like_the_same_arrays(gcs):
-    features, labels = DATA
+    features, labels = STORE_DATA
     examples = [{"x": features["x"][i], "y": int(labels[i])} for i in range(len(labels))]
     tfrecord.write("gs://bkt/data/train-0.tfrecord", examples[:128])
     tfrecord.write("gs://bkt/data/train-1.tfrecord", examples[128:])
     spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
-    from_bucket = estimator(None).train(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"), steps=8)
-    on_disk = estimator(None).train(ex.data.from_arrays(*DATA), steps=8)
+    from_bucket = store_estimator(None).train(
+        tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"), steps=8
+    )
+    on_disk = store_estimator(None).train(ex.data.from_arrays(*STORE_DATA), steps=8)
     assert from_bucket.step == on_disk.step == 8
     results = from_bucket.evaluate(tfrecord.tfrecord("gs://bkt/data/train-*.tfrecord", spec, label="y"))
     assert results["num_examples"] == 256
@@ -273,7 +270,7 @@ def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, t
     from estimax import compile_cache
 
     monkeypatch.setenv("HOME", str(tmp_path))
-    features, labels = DATA
+    features, labels = STORE_DATA
     tfrecord.write(str(tmp_path / "d.tfrecord"), [{"x": features["x"][0], "y": 1}])
     spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
     assert len(tfrecord.tfrecord("~/d.tfrecord", spec, label="y")) == 1
@@ -286,10 +283,10 @@ def test_home_in_data_paths_and_the_compilation_cache_is_expanded(monkeypatch, t
 
 
 def test_s3_holds_data_and_exports_against_a_real_s3_server(s3, tmp_path):
-    features, labels = DATA
+    features, labels = STORE_DATA
     tfrecord.write("s3://bkt/data/train.tfrecord", [{"x": features["x"][i], "y": int(labels[i])} for i in range(256)])
     spec = {"x": tfrecord.Feature(np.float32, (6,)), "y": tfrecord.Feature(np.int64)}
-    est = estimator(str(tmp_path / "run")).train(
+    est = store_estimator(str(tmp_path / "run")).train(
         tfrecord.tfrecord("s3://bkt/data/train.tfrecord", spec, label="y"), steps=8
     )
     exported = est.export("s3://bkt/exports/mlp/8", example_features={"x": features["x"][:1]})

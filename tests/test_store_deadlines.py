@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 import pytest
+from helpers import LEASE_JOB, ended, error_lines, resume_paused
 from models import blobs, estimator
-from test_lease import JOB, _ended, _error_lines, _resume
 
 import estimax as ex
 from estimax import storage
@@ -84,17 +84,17 @@ def test_a_checkpoint_save_on_a_stalled_store_ends_training_within_its_lease(gcs
     url, lease = "gs://bkt/stalled-save", 4.0  # shorter than the deadline, as by default (60 s and 120 s)
     settings = {"ESTIMAX_LEASE_SECONDS": str(lease), "ESTIMAX_STORE_DEADLINE_SECONDS": str(2 * lease)}
     job = subprocess.Popen(
-        [sys.executable, JOB, url, "4", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        [sys.executable, LEASE_JOB, url, "4", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, **settings},
     )  # fmt: skip
     assert job.stdout.readline() == "waiting at step 4\n", job.communicate()
     committed = max(int(name) for name in storage.listdir(f"{url}/checkpoints") if name.isdigit())
     os.kill(gcs.process.pid, signal.SIGSTOP)  # the save of step 4, due once the job goes on, meets a stalled store
     try:
-        stderr, said, exited = _ended(job, _resume(job))
+        stderr, said, exited = ended(job, resume_paused(job))
     finally:
         os.kill(gcs.process.pid, signal.SIGCONT)
-    lines = _error_lines(stderr)
+    lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     assert f"{url}/estimax.lock: renewing the lease: the store did not answer for" in lines[0], lines[0]
     assert f"resume from step {committed} with the same command once the store answers" in lines[0], lines[0]
