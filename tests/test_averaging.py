@@ -237,7 +237,7 @@ def test_a_model_without_an_average_keeps_none_and_logs_nothing_of_it(caplog):
 
 
 def test_the_command_line_keeps_evaluates_and_leaves_out_the_average(tmp_path):
-    from test_cli import _estimax
+    from helpers import run_estimax as _estimax
 
     model_dir = str(tmp_path / "run")
     _estimax("train", "--model-dir", model_dir, "--max-steps", "10", "--steps-per-loop", "5", "--ema-decay", "0.9")

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from test_resume import _checkpoints, _wait_for
+from helpers import saved_checkpoints, wait_for
 
 import estimax as ex
 from estimax.examples import lm
@@ -139,10 +139,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, layout):
     steps = 12
     whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
     process = _start(parts, steps, *layout)
-    _wait_for(process, lambda: max(_checkpoints(parts)[0] or [0]) >= 4, timeout=180)
+    wait_for(process, lambda: max(saved_checkpoints(parts)[0] or [0]) >= 4, timeout=180)
     process.kill()
     process.wait()
-    assert max(_checkpoints(parts)[0]) < steps
+    assert max(saved_checkpoints(parts)[0]) < steps
     for model_dir in (parts, whole):
         out, _ = _start(model_dir, steps, *layout).communicate(timeout=300)
         assert f"Done at step {steps}" in out, out
