@@ -80,10 +80,10 @@ def test_sigkill_of_process_0_mid_run_stops_the_other_with_its_line_before_jax_a
     """Process 0 hosts JAX's coordination service: JAX aborts the survivors about 0.1 s after it dies.
     The survivor's lifeline to process 0 closes at once, and its line and exit code come first."""
     model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
-    group = [_process([JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
+    group = [_process([MULTIHOST_JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
     try:
         deadline = time.monotonic() + 120
-        while not _steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
+        while not checkpoint_steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
             assert group[1].poll() is None and time.monotonic() < deadline, group[1].communicate()[0]
             time.sleep(0.05)
         time.sleep(1.0)  # a beat of process 1 has asked for the committed step
@@ -100,7 +100,7 @@ def test_sigkill_of_process_0_mid_run_stops_the_other_with_its_line_before_jax_a
     line = _lost_line(out)
     assert "Process 1: lost process 0 (the coordinator, host 127.0.0.1) of the group of 2: its connection" in line
     named = int(re.search(r"The last committed checkpoint is step (\d+)", line).group(1))
-    assert named in _steps(model_dir) and f"resume from step {named} with the same command" in line
+    assert named in checkpoint_steps(model_dir) and f"resume from step {named} with the same command" in line
     assert "Check failure" not in out and "Terminating process" not in out  # estimax's line, not JAX's abort
 
 
