@@ -145,7 +145,7 @@ def test_a_changed_model_is_a_new_run_and_a_run_remembers_its_set_values(tmp_pat
     assert re.search(rf"another --model-dir, or no --model-dir .* --warm-start {runs}/blobs starts it", line)
     # ... which work: a new run that starts from the old run's weights that still fit.
     warm = _ok("train", "blobs.py", "--model-dir", "runs/warm", "--warm-start", "runs/blobs", cwd=tmp_path)
-    assert "warm start: 3 loaded" in warm, warm
+    assert "(estimax checkpoint): 3 loaded" in warm, warm
 
 
 def test_one_progress_bar_in_a_terminal_with_the_log_lines_above_it(tmp_path):
