@@ -280,28 +280,6 @@ class NoRunDir:
     def writing(self, sync, best=None):
         yield
 
-    def _end_marker(self, checkpoint: int | None) -> None:
-        """``ended.json``: removed with ``None`` (a call starts), else written with the last checkpoint of
-        a call that ended normally (not when it failed or was preempted)."""
-        path = self.path(ENDED)
-        if checkpoint is None:
-            if storage.exists(path):
-                self.lock.prove()  # nothing is written after a takeover
-                storage.remove(path)
-            return
-        self.lock.prove()
-        storage.write_bytes(path, json.dumps({"checkpoint": checkpoint}).encode())
-
-    def ended(self) -> dict | None:
-        """``{"checkpoint": N}`` once the last training call ended normally with checkpoint N (``None``
-        if none was saved); ``None`` while training runs, or before it started."""
-        path = self.path(ENDED)
-        storage.forget_listings(path)
-        try:
-            return _record(storage.read_bytes(path).decode()) or None
-        except FileNotFoundError:
-            return None
-
     @contextlib.contextmanager
     def recording(self, what: str):
         yield True  # nothing to lock: trackers may still record
