@@ -41,25 +41,34 @@ def _lost_line(out: str) -> str:
     return lines[0]
 
 
-def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_committed_step(tmp_path):
+def _lost_mid_run(tmp_path, victim: int, settle: float = 0.0):
+    """Two processes train; once a checkpoint is committed (and ``settle`` seconds later), ``victim`` is
+    SIGKILLed. Returns ``(model_dir, the survivor's process, its output, seconds from the kill to its exit)``."""
     model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
     group = [_process([MULTIHOST_JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
+    survivor = group[1 - victim]
     try:
         deadline = time.monotonic() + 120
         while not checkpoint_steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
-            assert group[0].poll() is None and time.monotonic() < deadline, group[0].communicate()[0]
+            assert survivor.poll() is None and time.monotonic() < deadline, survivor.communicate()[0]
             time.sleep(0.05)
-        with open(os.path.join(out_dir, "pid-1")) as f:
+        time.sleep(settle)
+        with open(os.path.join(out_dir, f"pid-{victim}")) as f:
             os.kill(int(f.read()), signal.SIGKILL)
         killed = time.monotonic()
-        out = group[0].communicate(timeout=120)[0]
+        out = survivor.communicate(timeout=120)[0]
         seconds = time.monotonic() - killed
     finally:
         for p in group:
             p.kill()
             p.wait()
+    return model_dir, survivor, out, seconds
+
+
+def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_committed_step(tmp_path):
+    model_dir, survivor, out, seconds = _lost_mid_run(tmp_path, victim=1)
     print(f"2 processes, process 1 SIGKILLed: process 0 exited {seconds:.1f} s later")
-    assert group[0].returncode == PEER_LOST_EXIT_CODE, out
+    assert survivor.returncode == PEER_LOST_EXIT_CODE, out
     line = _lost_line(out)
     assert f"Process 0: lost process 1 (host {socket.gethostname()}) of the group of 2: no sign of life for" in line
     silent = float(re.search(r"no sign of life for ([\d.]+) s", line).group(1))
@@ -79,24 +88,10 @@ def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_c
 def test_sigkill_of_process_0_mid_run_stops_the_other_with_its_line_before_jax_aborts_it(tmp_path):
     """Process 0 hosts JAX's coordination service: JAX aborts the survivors about 0.1 s after it dies.
     The survivor's lifeline to process 0 closes at once, and its line and exit code come first."""
-    model_dir, out_dir, port = str(tmp_path / "run"), str(tmp_path / "out"), distributed.free_port()
-    group = [_process([MULTIHOST_JOB, model_dir, out_dir, "train", "100000", "0.5"], port, r, 2) for r in range(2)]
-    try:
-        deadline = time.monotonic() + 120
-        while not checkpoint_steps(model_dir):  # a committed checkpoint (step 4); loops of half a second each follow
-            assert group[1].poll() is None and time.monotonic() < deadline, group[1].communicate()[0]
-            time.sleep(0.05)
-        time.sleep(1.0)  # a beat of process 1 has asked for the committed step
-        group[0].kill()
-        killed = time.monotonic()
-        out = group[1].communicate(timeout=120)[0]
-        seconds = time.monotonic() - killed
-    finally:
-        for p in group:
-            p.kill()
-            p.wait()
+    # A second after the checkpoint, a beat of process 1 has asked for the committed step.
+    model_dir, survivor, out, seconds = _lost_mid_run(tmp_path, victim=0, settle=1.0)
     print(f"2 processes, process 0 SIGKILLed: process 1 exited {seconds:.2f} s later")
-    assert group[1].returncode == PEER_LOST_EXIT_CODE, out
+    assert survivor.returncode == PEER_LOST_EXIT_CODE, out
     line = _lost_line(out)
     assert "Process 1: lost process 0 (the coordinator, host 127.0.0.1) of the group of 2: its connection" in line
     named = int(re.search(r"The last committed checkpoint is step (\d+)", line).group(1))
