@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from models import blobs
+from models import blobs, model_fn
 
 import estimax as ex
 from estimax import fingerprint
@@ -28,14 +28,6 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         return self.l2(getattr(nnx, self.activation)(self.l1(x)))
-
-
-def model_fn(model, features, labels, mode, params):
-    logits = model(features["x"])
-    if mode == ex.PREDICT:
-        return ex.Spec(predictions={"class": logits.argmax(-1)})
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    return ex.Spec(loss=loss, metrics={"accuracy": logits.argmax(-1) == labels})
 
 
 def _estimator(model_dir=None, activation="relu", lr=0.1, **config):
