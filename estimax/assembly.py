@@ -18,20 +18,23 @@ from collections.abc import Callable
 import jax
 import optax
 
-from estimax import accumulation, averaging, compile_cache, freezing, lora, resize, run_setup, validation
-from estimax import checkpoint as checkpoint_lib
+from estimax import accumulation, compile_cache
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.call_writers import CallWriters
-from estimax.current_state import CurrentState
+from estimax.checks import validation
 from estimax.data.plan import Plan
 from estimax.distributed import Sync
 from estimax.evaluator import Evaluator
+from estimax.fine_tuning import averaging, freezing, lora
 from estimax.models import resolve as resolve_model
-from estimax.run_dir import open_run_dir
+from estimax.records.call_writers import CallWriters
+from estimax.records.writers import ensure_console
+from estimax.run import checkpoint as checkpoint_lib
+from estimax.run import resize, run_setup
+from estimax.run.current_state import CurrentState
+from estimax.run.run_dir import open_run_dir
 from estimax.step import Core
 from estimax.trainer import Trainer
-from estimax.writers import ensure_console
 
 
 @dataclasses.dataclass(frozen=True)

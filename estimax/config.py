@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from estimax import counting, eval_sets
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.fine_tuning import LoRA, check_freeze
-from estimax.tracker_kinds import resolve as resolve_trackers
+from estimax.records.tracker_kinds import resolve as resolve_trackers
 
 LOOP_KINDS = ("auto", "scan", "step")
 """The device loops ``RunConfig(loop=...)`` and ``--loop`` take."""
@@ -270,7 +270,7 @@ class RunConfig:
         (full match, as ``sharding_rules``), or a schedule ``{step: [regex, ...]}``
         whose entry applies from that step until the next one (``{0: ["embed/.*"],
         500: []}`` unfreezes the embedding at step 500). Frozen parameters keep their
-        values bit for bit and have no optimizer state (``estimax/freezing.py``); a
+        values bit for bit and have no optimizer state (``estimax/fine_tuning/freezing.py``); a
         rule that matches nothing is an error.
       lora: ``LoRA(layers=[regex, ...], rank=8, alpha=16)``: low-rank adapters on
         those linear layers of an NNX model; only the adapters train.

@@ -15,26 +15,29 @@ from typing import Any, overload
 import jax
 import optax
 
-from estimax import assembly, averaging, calls, eval_sets, run_computation, validation
+from estimax import assembly, eval_sets
 from estimax import config as config_lib
 from estimax import follow as follow_lib
-from estimax import host_metrics as host_metrics_lib
-from estimax import lora as lora_lib
+from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
-from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.data.plan import Plan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.fine_tuning import averaging
+from estimax.fine_tuning import lora as lora_lib
+from estimax.fine_tuning.warm_start import WarmStart
 from estimax.fingerprint import Computation
 from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
+from estimax.metrics import host_metrics as host_metrics_lib
+from estimax.run import run_computation
+from estimax.run.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.step import Core
-from estimax.warm_start import WarmStart
 
 
 class Estimator:

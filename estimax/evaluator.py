@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 import jax
 
 from estimax import counting, eval_sets
-from estimax import host_metrics as host_metrics_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
 from estimax.errors import EstimaxError, EvaluationError, InputError, one_line
 from estimax.loop import EvalRunner
-from estimax.progress import EvalProgress
+from estimax.metrics import host_metrics as host_metrics_lib
+from estimax.records.progress import EvalProgress
 from estimax.spec import EVAL, PREDICT
 from estimax.state import has_deleted_arrays
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from estimax import counting
 from estimax.errors import ConfigError, ModelUnavailableError
-from estimax.summaries import Summaries
+from estimax.records.summaries import Summaries
 
 logger = logging.getLogger("estimax")
 

@@ -17,10 +17,11 @@ import time
 import jax
 import numpy as np
 
-from estimax import counting, flops
+from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 from estimax.errors import SpecError
+from estimax.records import flops
 from estimax.step import eval_states_of
 
 logger = logging.getLogger("estimax")

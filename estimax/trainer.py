@@ -17,21 +17,23 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from estimax import counting, eval_sets, resize, run_computation, validation
+from estimax import counting, eval_sets
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.call_writers import CallWriters
+from estimax.checks import validation
 from estimax.config import Best
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.loop import TrainRunner
-from estimax.profiling import Profiler
-from estimax.saves import Saves
+from estimax.records.call_writers import CallWriters
+from estimax.records.profiling import Profiler
+from estimax.records.summaries import Summaries
+from estimax.run import resize, run_computation
+from estimax.run.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
-from estimax.summaries import Summaries
 from estimax.training import Evaluation, TrainingLoop
 
 logger = logging.getLogger("estimax")

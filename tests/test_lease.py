@@ -25,8 +25,8 @@ from stores import GCSEmulator
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailableError
-from estimax.lease import PAUSE_SECONDS, LeaseLock
-from estimax.lock import LOCK_FILE, Lock, holder_record
+from estimax.run.lease import PAUSE_SECONDS, LeaseLock
+from estimax.run.lock import LOCK_FILE, Lock, holder_record
 
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
 
@@ -89,7 +89,7 @@ def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_proce
 
 HOLDER = """
 import socket, sys, time
-from estimax.lease import lock_for
+from estimax.run.lease import lock_for
 
 if len(sys.argv) > 2:  # as if on another host: the host its record names, where its pid cannot be checked
     socket.gethostname = lambda: sys.argv[2]
@@ -274,7 +274,9 @@ def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_wri
     lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
-    took = f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
+    took = (
+        f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
+    )
     assert took in lines[0] and f"pid {second.pid}" in lines[0], lines[0]
     assert f"carries the run on from its last committed checkpoint (step {step})" in lines[0], lines[0]
     assert _listing(url) == before  # nothing written after the pause

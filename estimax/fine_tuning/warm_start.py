@@ -25,9 +25,10 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from estimax import averaging, storage, weight_files
-from estimax import checkpoint as checkpoint_lib
+from estimax import storage
 from estimax.errors import CheckpointError, ConfigTypeError
+from estimax.fine_tuning import averaging, weight_files
+from estimax.run import checkpoint as checkpoint_lib
 from estimax.state import leaf_names
 
 logger = logging.getLogger("estimax")
