@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from estimax.config import CheckpointPolicy
-from estimax.run.checkpoint import Checkpointer, checksums
+from estimax.run.checkpoint import Checkpointer
+from estimax.run.checkpoint_checks import checksums
 
 SIZES_MIB = (1, 16, 64, 256)
 REPEATS = 3

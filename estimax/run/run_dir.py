@@ -39,7 +39,8 @@ from estimax import errors, storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
 from estimax.run.checkpoint import CHECKPOINTS, Checkpointer
-from estimax.run.lease import lock_for
+from estimax.run.locks import lock_for
+from estimax.run.run_setup import RunSetup
 
 logger = logging.getLogger("estimax")
 
@@ -53,7 +54,7 @@ BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
 ENDED = "ended.json"  # removed when a training call starts, written when one ends normally
 
 
-def open_run_dir(model_dir, policy: CheckpointPolicy, run_meta: dict) -> RunDir | NoRunDir:
+def open_run_dir(model_dir, policy: CheckpointPolicy, run_meta: RunSetup) -> RunDir | NoRunDir:
     """The run directory of ``RunConfig(model_dir=...)``: a ``RunDir``, or ``NoRunDir`` for ``None``."""
     return NoRunDir() if model_dir is None else RunDir(model_dir, policy, run_meta)
 
@@ -61,16 +62,14 @@ def open_run_dir(model_dir, policy: CheckpointPolicy, run_meta: dict) -> RunDir 
 class RunDir:
     """The files of one run under ``url``; read-only until ``writing()``."""
 
-    def __init__(self, model_dir, policy: CheckpointPolicy, run_meta: dict | None = None):
+    def __init__(self, model_dir, policy: CheckpointPolicy, run_meta: RunSetup | None = None):
         check_variables_set(model_dir)
         self.url = storage.resolve(model_dir)
         check_supported(self.url)
         check_not_below_file(self.url)
         # What a lost lock says to resume from: the checkpoints' last committed step.
         self.lock = lock_for(self.url, committed_step=lambda read=False: self.checkpoints.committed_step(read=read))
-        self.checkpoints = Checkpointer(
-            self.path(CHECKPOINTS), policy, read_only=True, lock=self.lock, run_meta=dict(run_meta or {})
-        )
+        self.checkpoints = Checkpointer(self.path(CHECKPOINTS), policy, read_only=True, lock=self.lock, setup=run_meta)
         self._attempt = uuid.uuid4().hex[:8]  # this process's name for its temporary folders (fenced_commit.py)
 
     def __repr__(self) -> str:

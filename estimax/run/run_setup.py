@@ -1,28 +1,73 @@
 """What a checkpoint records about how its run was set up, and what changed on resume.
 
-Owns the small ``run`` record saved with every checkpoint (the global train
-batch size, the seed, the optimizer's hyper-parameters, read from the
-closures of the optax transformation, and the shape: processes, devices, mesh) and the warning a resumed run gives
-when its own setup differs. A differing model or optimizer *structure* is an
+Owns the small ``run`` record saved with every checkpoint (``RunSetup``: the
+global train batch size, the seed, the optimizer's hyper-parameters, read from
+the closures of the optax transformation, and the ``RunShape``: processes,
+devices, mesh), its one writer (``to_json``) and reader (``from_json``: a
+record of an earlier release may lack newer fields, read as ``None``), and the
+warning a resumed run gives when its own setup differs. A differing model or optimizer *structure* is an
 error of ``checkpoint.py``; these differences still restore, but the resumed
 run no longer continues the saved one exactly, so they are said.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import re
+from typing import Any
 
 logger = logging.getLogger("estimax")
 
 _NOISE = re.compile(r"^(tx|inner|init|update|step_size_fn|init_fn|update_fn)$")
 
 
-def record(train_batch_size: int, seed: int, optimizer, shape: dict | None = None) -> dict:
-    """The run record; ``shape``: the processes, devices and mesh it trains on (``resize.shape``)."""
-    found = {"train_batch_size": train_batch_size, "seed": seed, "optimizer": optimizer_hyperparameters(optimizer)}
-    return found if shape is None else {**found, "shape": shape}
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What a run trains on: its processes, its devices and its mesh (``mesh.describe``: ``data=4 x model=2``)."""
+
+    processes: int
+    devices: int
+    mesh: str | None = None
+
+    def to_json(self) -> dict:
+        return {"processes": self.processes, "devices": self.devices, "mesh": self.mesh}
+
+    @classmethod
+    def from_json(cls, record: dict | None) -> RunShape | None:
+        if not record:
+            return None
+        return cls(record["processes"], record["devices"], record.get("mesh"))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSetup:
+    """How a run was set up, saved with every checkpoint (a field an earlier release did not save is ``None``)."""
+
+    train_batch_size: int | None = None
+    seed: int | None = None
+    optimizer: dict[str, Any] | None = None  # ``optimizer_hyperparameters``
+    shape: RunShape | None = None
+
+    def to_json(self) -> dict:
+        found = {"train_batch_size": self.train_batch_size, "seed": self.seed, "optimizer": self.optimizer}
+        return found if self.shape is None else {**found, "shape": self.shape.to_json()}
+
+    @classmethod
+    def from_json(cls, record: dict | None) -> RunSetup | None:
+        """The setup a checkpoint's ``run`` record holds; ``None`` when it holds none."""
+        if not record:
+            return None
+        return cls(
+            record.get("train_batch_size"), record.get("seed"), record.get("optimizer"),
+            RunShape.from_json(record.get("shape")),
+        )  # fmt: skip
+
+
+def record(train_batch_size: int, seed: int, optimizer, shape: RunShape | None = None) -> RunSetup:
+    """This run's setup; ``shape``: the processes, devices and mesh it trains on (``resize.shape``)."""
+    return RunSetup(train_batch_size, seed, optimizer_hyperparameters(optimizer), shape)
 
 
 def optimizer_hyperparameters(optimizer) -> dict[str, float | int | str | bool | None]:
@@ -67,15 +112,18 @@ def _value(content, where: list[str], found: dict, seen: set, depth: int) -> Non
         _walk(content, where, found, seen, depth + 1)
 
 
-def differences(saved: dict | None, now: dict) -> list[str]:
-    """What differs between a checkpoint's run record and this run's, one phrase each."""
-    if not saved:
+def differences(saved: RunSetup | None, now: RunSetup | None) -> list[str]:
+    """What differs between a checkpoint's run setup and this run's, one phrase each."""
+    if saved is None or now is None:
         return []
     said = []
-    for key in ("train_batch_size", "seed"):
-        if key in saved and saved[key] != now[key]:
-            said.append(f"{key} {saved[key]} when saved, {now[key]} now")
-    before, after = saved.get("optimizer"), now["optimizer"]
+    for key, before, after in [
+        ("train_batch_size", saved.train_batch_size, now.train_batch_size),
+        ("seed", saved.seed, now.seed),
+    ]:
+        if before is not None and before != after:
+            said.append(f"{key} {before} when saved, {after} now")
+    before, after = saved.optimizer, now.optimizer
     if before is not None and before != after:
         changed = [
             f"{k or 'value'} {before.get(k, 'absent')} -> {after.get(k, 'absent')}"
@@ -86,7 +134,7 @@ def differences(saved: dict | None, now: dict) -> list[str]:
     return said
 
 
-def warn_on_resume(saved: dict | None, now: dict, step: int, directory: str) -> None:
+def warn_on_resume(saved: RunSetup | None, now: RunSetup | None, step: int, directory: str) -> None:
     changed = differences(saved, now)
     if changed:
         logger.warning(

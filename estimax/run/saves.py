@@ -16,7 +16,7 @@ import logging
 import time
 
 from estimax.errors import ConfigError, LeaseLostError, StoreUnavailableError, one_line
-from estimax.run.lock import resume
+from estimax.run.holder import resume
 
 logger = logging.getLogger("estimax")
 
