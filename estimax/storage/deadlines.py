@@ -94,8 +94,8 @@ def bounded(operation: str, path: str, function, *args, fix: str = RETRY_FIX, **
     """
     if not is_url(path) or getattr(_bounding, "active", False):
         return function(*args, **kwargs)
+    client_options(deadline_seconds())  # before the first request: TensorStore reads its variables once
     deadline = Deadline(operation, path, deadline_seconds(), fix=fix)
-    client_options(deadline.seconds)  # before the first request: TensorStore reads its variables once
     while True:
         call = _Call(function, args, kwargs)
         while not call.done.wait(max(0.0, min(deadline.seconds / 4, deadline.left()))):
