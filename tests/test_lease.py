@@ -274,9 +274,7 @@ def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_wri
     lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     step = max(int(p.split("/checkpoints/")[1].split("/")[0]) for p in before if "/checkpoints/" in p)
-    took = (
-        f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
-    )
+    took = f"a later attempt of this process's run (ESTIMAX_RUN_ID=job-9) took over the lock {url}/estimax.lock: host "
     assert took in lines[0] and f"pid {second.pid}" in lines[0], lines[0]
     assert f"carries the run on from its last committed checkpoint (step {step})" in lines[0], lines[0]
     assert _listing(url) == before  # nothing written after the pause
