@@ -335,7 +335,7 @@ class RunConfig:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
             _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
-        if self.train_batch_size % self.grad_accum_steps:  # over the devices too: Plan.check, when training starts
+        if self.train_batch_size % self.grad_accum_steps:  # over the devices too: InputPlan.check, when training starts
             raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
                 f"grad_accum_steps={self.grad_accum_steps} equal micro-batches; expected a multiple of "

@@ -84,7 +84,7 @@ def _check_not_donated(state, step: int) -> None:
 class Evaluator:
     """Evaluates and predicts for an Estimator.
 
-    ``plan``: the Estimator's input ``Plan``, which gives the batches; ``quiet``: no progress bar.
+    ``plan``: the Estimator's ``InputPlan``, which gives the batches; ``quiet``: no progress bar.
     """
 
     def __init__(self, core, layout, plan, quiet: bool):

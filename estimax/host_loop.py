@@ -5,7 +5,7 @@ the previous loop's outputs (never the one just dispatched, so the device is
 not left idle), check them for NaN/Inf, hand records to the hooks, evaluate
 when due, checkpoint when due, stop on preemption, early stopping or a
 non-finite value, and account where the time went. The device loops
-themselves are ``loop.py``'s; ``trainer.py`` sets each call up.
+themselves are ``loop.py``'s; ``train_call.py`` sets each call up.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Laps:
         self.paused += seconds
 
 
-class TrainingLoop:
+class HostLoop:
     """One ``train`` / ``train_and_evaluate`` call's host loop."""
 
     def __init__(
