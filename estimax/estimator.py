@@ -30,6 +30,7 @@ from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
+from estimax.serving import adapter_export
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase
 from estimax.spec import EVAL, PREDICT, TRAIN
@@ -419,12 +420,19 @@ class Estimator:
     # -- export ------------------------------------------------------------------
     @calls.one_thread_at_a_time
     def export(
-        self, path: str, *, checkpoint: int | str | None = None, example_features=None, format: str = "jax"
+        self,
+        path: str,
+        *,
+        checkpoint: int | str | None = None,
+        example_features=None,
+        format: str = "jax",
+        base_artifact: str | None = None,
     ) -> str:
         """Writes a self-contained artifact of the model to ``path``; returns that directory.
 
         Under ``RunConfig(lora=...)`` the artifact is the base model with each adapter merged
-        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters.
+        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters;
+        with ``base_artifact``, the adapters alone on that export of the base.
 
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
@@ -440,11 +448,26 @@ class Estimator:
                 trained, evaluated or predicted on.
             format: ``"jax"``, or ``"tf_saved_model"`` for a TensorFlow SavedModel
                 instead (needs ``pip install 'estimax[tf]'``).
+            base_artifact: under LoRA, a whole export of the base model the adapters were
+                trained on: the artifact then holds the adapters alone and names that base by
+                its checksums (``estimax.serving.load(path)`` finds and checks it).
         """
         if format not in ("jax", "tf_saved_model"):
             raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
+        if base_artifact is not None and (self._parts.merged is None or format != "jax"):
+            raise ConfigError(
+                f"export(base_artifact={base_artifact!r}, format={format!r}) with RunConfig(lora="
+                f"{self.config.lora!r}); expected a LoRA run exported as 'jax': only adapters go on a base. "
+                "Fix: leave base_artifact out for a whole artifact."
+            )
         features = self._plan.export_features(example_features)
-        core, state = self._exportable(self._at(checkpoint, "export"))
+        state = self._at(checkpoint, "export")
+        if base_artifact is not None:
+            core, base = self._parts.merged(state, merge=False)
+            adapters = lora_lib.split_params(state.params)[1]
+            rules = lora_lib.merge_rules(state.params, self.config.lora)
+            return adapter_export.export(core, base, path, features, base_artifact, adapters, rules)
+        core, state = self._exportable(state)
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 
