@@ -40,7 +40,7 @@ def export(core, state, path: str, features, base_artifact: str, adapters: dict,
     arrays, program, signature = export_lib.build(core, state, features)
     if base_signature["param_arrays"] != signature["param_arrays"]:
         raise ArtifactError(
-            f"export(base_artifact={base_artifact!r}): {base} does not hold this run's base parameters: "
+            f"export(base_artifact={base_artifact!r}) does not hold this run's base parameters: "
             f"{artifact.param_differences(signature['param_arrays'], base_signature['param_arrays'])}; expected "
             "the export of the base the adapters were trained on, array for array. Fix: export that base (the "
             "run it warm-started from) and name it, e.g. Estimator(model, model_fn, optimizer, "
@@ -69,7 +69,7 @@ def _signature_of(base: str) -> dict:
     """The base artifact's signature, checked to be a whole export."""
     if not storage.exists(storage.join(base, export_lib.SIGNATURE)):
         raise ArtifactError(
-            f"export(base_artifact={base!r}): no export there (no {export_lib.SIGNATURE}); expected the whole "
+            f"export(base_artifact={base!r}) holds no export (no {export_lib.SIGNATURE}); expected the whole "
             "export of the base model the adapters were trained on. Fix: export the base first, e.g. "
             f"Estimator(model, model_fn, optimizer, RunConfig(model_dir=BASE_RUN)).export({base!r})."
         )
