@@ -262,7 +262,9 @@ def export(args, task, estimator, first: bool) -> int:
     if checkpoint is None:
         _require_checkpoint(estimator)
     features = _first_features(task.input("predict"))  # the shapes of the artifact's input
-    path = estimator.export(args.output, checkpoint=checkpoint, example_features=features)
+    path = estimator.export(
+        args.output, checkpoint=checkpoint, example_features=features, base_artifact=args.base_artifact
+    )
     if first:
         print(path)
     return 0
