@@ -187,7 +187,7 @@ def _on_base(path: str, written: str, signature: dict, given: str | None) -> dic
     artifact's, checked against the recorded digest, each adapter merged into its kernel."""
     record = signature["adapters"]["base"]
     adapters = read_params(os.path.join(path, signature["params"]), signature["adapters"]["arrays"])
-    candidates = [storage.resolve(given)] if given is not None else base_candidates(written, record)
+    candidates = [storage.resolve(given)] if given is not None else _base_candidates(written, record)
     base = next((c for c in candidates if storage.exists(storage.join(c, SIGNATURE))), None)
     if base is None:
         raise ArtifactError(
@@ -219,7 +219,7 @@ def _on_base(path: str, written: str, signature: dict, given: str | None) -> dic
     return arrays
 
 
-def base_candidates(written: str, record: dict) -> list[str]:
+def _base_candidates(written: str, record: dict) -> list[str]:
     """Where an adapters-only export exported to ``written`` looks for its base: the recorded path, then
     the recorded path relative to it (a tree of exports moved or copied whole)."""
     candidates = [record["path"]]
