@@ -253,6 +253,8 @@ def test_a_base_that_is_not_the_runs_is_refused(two_runs_on_one_base, tmp_path):
     assert "\n" not in str(e.value) and not os.path.exists(tmp_path / "refused")
     with pytest.raises(ex.ArtifactError, match=r"is not the base artifact .*adapters0's adapters were trained on"):
         ex.serving.load(path, base_artifact=other)
+    with pytest.raises(ex.ArtifactError, match="would write the adapters over their base"):
+        est.export(base, example_features=features, base_artifact=base)
     with pytest.raises(ex.ArtifactError, match="holds no export"):
         est.export(str(tmp_path / "refused"), example_features=features, base_artifact=str(tmp_path / "nothing"))
     with pytest.raises(ex.ArtifactError, match="is an adapters-only export; expected the whole export"):
@@ -271,3 +273,53 @@ def test_a_base_that_is_not_the_runs_is_refused(two_runs_on_one_base, tmp_path):
     with pytest.raises(ex.ArtifactError, match=r"whose base artifact is not at .*base \(no signature.json there\)"):
         ex.serving.load(path)
     ex.serving.load(path, base_artifact=str(tmp_path / "elsewhere"))  # found where it is now
+
+
+LORA_TASK = """
+import dataclasses
+import sys
+
+import optax
+
+sys.path.insert(0, {tests!r})
+from models import blobs, mlp as model, model_fn  # noqa: E402
+
+import estimax as ex  # noqa: E402
+
+optimizer = optax.adam(1e-2)
+params = {{"dropout": 0.3, "classes": 3, "lora": 0}}
+DEFAULTS = {{"batch_size": 32, "max_steps": 4, "steps_per_loop": 2}}
+
+
+def train_input(params):
+    return ex.data.from_arrays(*blobs(128))
+
+
+def eval_input(params):
+    return ex.data.from_arrays(*blobs(32, seed=1))
+
+
+def run_config(config, params):  # --set lora=1: adapters on both layers, the rest frozen
+    lora = ex.LoRA(layers=["l1", "l2"], rank=4, alpha=8) if params["lora"] else None
+    return dataclasses.replace(config, lora=lora)
+"""
+
+
+def test_estimax_export_base_artifact_writes_the_adapters_alone(tmp_path):
+    from helpers import run_estimax
+
+    task = tmp_path / "lora_task.py"
+    task.write_text(LORA_TASK.format(tests=os.path.dirname(os.path.abspath(__file__))))
+    base, run = str(tmp_path / "base"), str(tmp_path / "run")
+    run_estimax("train", str(task), "--model-dir", base, cwd=tmp_path)
+    exported = run_estimax("export", str(task), "--model-dir", base, "--output", "exports/base", cwd=tmp_path)
+    run_estimax("train", str(task), "--set", "lora=1", "--model-dir", run, "--warm-start", base, cwd=tmp_path)
+    args = ("--set", "lora=1", "--model-dir", run, "--base-artifact", "exports/base", "--output", "exports/a")
+    path = run_estimax("export", str(task), *args, cwd=tmp_path).strip().splitlines()[-1]
+    assert sorted(_stored(path)) == [f"l{i}/lora/lora_{ab}" for i in (1, 2) for ab in "ab"]
+    features = {"x": np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)}
+    on_base = ex.serving.load(path)(features)["logits"]
+    assert not np.allclose(on_base, ex.serving.load(exported.strip().splitlines()[-1])(features)["logits"])
+    merged = run_estimax("export", str(task), *args[:4], "--output", "exports/merged", cwd=tmp_path)
+    merged = merged.strip().splitlines()[-1]
+    np.testing.assert_array_equal(on_base, ex.serving.load(merged)(features)["logits"])  # the merged export's

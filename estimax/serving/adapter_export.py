@@ -34,8 +34,13 @@ def export(core, state, path: str, features, base_artifact: str, adapters: dict,
     ``adapters``: the adapter arrays by path; ``rules``: each layer's merge by parameter path
     (``lora.merge_rules``).
     """
-    path = export_lib.target(path)
     base = storage.resolve(base_artifact)
+    if storage.resolve(path) == base:
+        raise ArtifactError(
+            f"export({path!r}, base_artifact={base_artifact!r}) would write the adapters over their base; "
+            "expected another path for the adapters. Fix: e.g. exports/<run> beside exports/base."
+        )
+    path = export_lib.target(path)
     base_signature = _signature_of(base)
     arrays, program, signature = export_lib.build(core, state, features)
     if base_signature["param_arrays"] != signature["param_arrays"]:
