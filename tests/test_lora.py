@@ -1,5 +1,6 @@
 """LoRA adapters: only they train, they save and load on their own, export merges them into the
-base, and a killed run resumes with the bits of an uninterrupted one (also under fsdp=8)."""
+base or writes them alone on a base artifact (found, checked and merged when loaded), and a killed
+run resumes with the bits of an uninterrupted one (also under fsdp=8)."""
 
 import os
 
