@@ -7,15 +7,30 @@ raises itself as one line (a full disk names the directory and the last good
 checkpoint). Orbax's background event loop can also report "Event loop is
 closed" from a thread, a callback or a destructor once its work is done. Only
 these are filtered; other libraries' messages pass.
+
+TensorStore (Orbax's arrays on ``gs://``) looks for Google credentials once
+per process and, finding none, writes an error line from C++ straight to the
+console, which no Python setting reaches. Against a GCS emulator (the
+``STORAGE_EMULATOR_HOST`` endpoint, which takes anonymous requests) that line
+is noise: ``quiet_tensorstore_credentials`` has TensorStore look once with
+the console's file descriptor held, then writes back everything but that
+line. Against real GCS the line stays: there, it names a real problem.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import os
 import sys
+import tempfile
 import threading
 
 _CLOSED = "Event loop is closed"
+# TensorStore's line when no Google credentials are found (google_auth_provider.cc).
+NO_CREDENTIALS = b"Could not find the credentials file"
+CREDENTIALS_LOOKUP_SECONDS = 5.0  # at most this long with the console held (a lookup takes milliseconds)
 
 
 def _is_closed_loop(error: BaseException | None) -> bool:
@@ -79,3 +94,38 @@ def quiet_libraries() -> None:
     logging.getLogger("asyncio").addFilter(_ClosedLoop())
     sys.unraisablehook = _unraisable(sys.unraisablehook)
     threading.excepthook = _thread_exception(threading.excepthook)
+
+
+@functools.cache  # TensorStore keeps what it found for the rest of the process
+def quiet_tensorstore_credentials(bucket: str) -> None:
+    """Has TensorStore look for credentials once (a read of a missing object in ``bucket``, on the
+    emulator's endpoint) with its credentials line kept off the console. Call only with an emulator."""
+    import tensorstore as ts
+
+    spec = {"driver": "gcs", "bucket": bucket, "context": {"gcs_request_retries": {"max_retries": 1}}}
+    with _console_without(NO_CREDENTIALS):
+        try:
+            store = ts.KvStore.open(spec).result(timeout=CREDENTIALS_LOOKUP_SECONDS)
+            store.read(".estimax-credentials-lookup").result(timeout=CREDENTIALS_LOOKUP_SECONDS)
+        except Exception:  # noqa: BLE001 - the store's own faults are the checkpoint's to report
+            return
+
+
+@contextlib.contextmanager
+def _console_without(marker: bytes):
+    """Runs the block with file descriptor 2 in a temporary file, then writes what it held to the console
+    less the lines containing ``marker``: another thread's lines in the meantime come late, never lost."""
+    sys.stderr.flush()
+    console = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(console, 2)
+            os.close(console)
+            held.seek(0)
+            kept = memoryview(b"".join(line for line in held if marker not in line))
+            while kept:
+                kept = kept[os.write(2, kept) :]
