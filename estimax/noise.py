@@ -5,8 +5,9 @@ read-only view of a checkpoint directory, metadata that a damaged checkpoint
 lacks), and, when a background save fails, errors whose failure estimax
 raises itself as one line (a full disk names the directory and the last good
 checkpoint). Orbax's background event loop can also report "Event loop is
-closed" from a thread, a callback or a destructor once its work is done. Only
-these are filtered; other libraries' messages pass.
+closed" from a thread, a callback or a destructor once its work is done. gcsfs
+logs a traceback for each request it gives up on, an error its caller gets
+and estimax reports. Only these are filtered; other libraries' messages pass.
 
 TensorStore (Orbax's arrays on ``gs://``) looks for Google credentials once
 per process and, finding none, writes an error line from C++ straight to the
@@ -51,6 +52,16 @@ class _NoCredentials(logging.Filter):
         return "credentials were not found" not in message and "unavailable metadata server" not in message
 
 
+class _GivenUp(logging.Filter):
+    """gcsfs logs each request it gives up on (a store that went away: after about 30 s of retries) with
+    its traceback, then raises the error to its caller, where estimax says it: as a warning while it
+    tries again, then as one ``StoreUnavailableError`` line at its deadline."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return "out of retries on exception" not in message and "non-retriable exception" not in message
+
+
 class _ClosedLoop(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (
@@ -90,6 +101,7 @@ def quiet_libraries() -> None:
         return
     absl.addFilter(_OrbaxChatter())
     logging.getLogger("gcsfs").addFilter(_NoCredentials())
+    logging.getLogger("gcsfs").addFilter(_GivenUp())
     logging.getLogger("google.auth._default").addFilter(_NoCredentials())
     logging.getLogger("asyncio").addFilter(_ClosedLoop())
     sys.unraisablehook = _unraisable(sys.unraisablehook)

@@ -16,6 +16,7 @@ from test_cli_runs import TASK
 
 # An estimax line: a log line (the CLI's format, or logging's own before the CLI's is set), or its error line.
 ESTIMAX_LINE = re.compile(rf"^(\d\d:\d\d:\d\d estimax  |WARNING:estimax:|{CLI_ERROR})")
+LEASE = 44  # seconds
 TRAIN_LOG = re.compile(r"^\d\d:\d\d:\d\d estimax  train step \d+ ")
 
 
@@ -49,7 +50,9 @@ def test_a_healthy_run_on_the_emulator_prints_estimax_lines_only(tmp_path):
 
 def test_a_killed_emulator_ends_the_run_with_estimax_lines_only(tmp_path):
     emulator = GCSEmulator(str(tmp_path / "gcs"))
-    settings = {"ESTIMAX_LEASE_SECONDS": "4", "ESTIMAX_STORE_DEADLINE_SECONDS": "8"}  # the lease ends it first
+    # A lease long enough for gcsfs to give up on its first requests to the dead store (about 31 s of retries,
+    # each with a traceback of its own) before the lease ends the run; the deadline is longer, as by default.
+    settings = {"ESTIMAX_LEASE_SECONDS": str(LEASE), "ESTIMAX_STORE_DEADLINE_SECONDS": str(2 * LEASE)}
     args = ("--model-dir", "gs://bkt/killed", "--max-steps", "100000", "--log-every-steps", "2")
     try:
         job = _cli(emulator, tmp_path, *args, **settings)
@@ -61,7 +64,7 @@ def test_a_killed_emulator_ends_the_run_with_estimax_lines_only(tmp_path):
         emulator.process.kill()  # ... when the store goes away
         emulator.process.wait()
         killed = time.monotonic()
-        stdout, after = job.communicate(timeout=120)
+        stdout, after = job.communicate(timeout=3 * LEASE)
         exited = time.monotonic() - killed
     finally:
         emulator.stop()
@@ -70,7 +73,8 @@ def test_a_killed_emulator_ends_the_run_with_estimax_lines_only(tmp_path):
     assert "the store did not answer for" in error_lines(stderr)[0], stderr
     assert "Traceback" not in stderr and _not_estimax(stderr) == [], stderr
     said = [line for line in after.splitlines() if not TRAIN_LOG.match(line)]  # besides the steps it went on with
-    assert len(said) <= 8, after  # the warnings while it waits, then the error line
+    assert exited > 36, exited  # gcsfs gave up on a request meanwhile
+    assert len(said) <= 12, after  # the warnings while it waits, then the error line
     print(f"a killed store: {len(said)} lines on the console, the last {exited:.1f} s after the kill")
 
 
