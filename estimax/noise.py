@@ -31,7 +31,7 @@ import threading
 _CLOSED = "Event loop is closed"
 # TensorStore's line when no Google credentials are found (google_auth_provider.cc).
 NO_CREDENTIALS = b"Could not find the credentials file"
-CREDENTIALS_LOOKUP_SECONDS = 5.0  # at most this long with the console held (a lookup takes milliseconds)
+CREDENTIALS_LOOKUP_SECONDS = 2.0  # at most this long with the console held (a lookup takes milliseconds)
 
 
 def _is_closed_loop(error: BaseException | None) -> bool:
