@@ -32,6 +32,7 @@ _CLOSED = "Event loop is closed"
 # TensorStore's line when no Google credentials are found (google_auth_provider.cc).
 NO_CREDENTIALS = b"Could not find the credentials file"
 CREDENTIALS_LOOKUP_SECONDS = 2.0  # at most this long with the console held (a lookup takes milliseconds)
+_HOLDING = threading.Lock()  # one hold of file descriptor 2 at a time: a second would restore the first's file
 
 
 def _is_closed_loop(error: BaseException | None) -> bool:
@@ -127,9 +128,9 @@ def quiet_tensorstore_credentials(bucket: str) -> None:
 def _console_without(marker: bytes):
     """Runs the block with file descriptor 2 in a temporary file, then writes what it held to the console
     less the lines containing ``marker``: another thread's lines in the meantime come late, never lost."""
-    sys.stderr.flush()
-    console = os.dup(2)
-    with tempfile.TemporaryFile() as held:
+    with _HOLDING, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        console = os.dup(2)
         os.dup2(held.fileno(), 2)
         try:
             yield
