@@ -15,8 +15,7 @@ from typing import Any, overload
 import jax
 import optax
 
-from estimax import assembly, eval_sets
-from estimax import config as config_lib
+from estimax import assembly, eval_sets, policies
 from estimax import follow as follow_lib
 from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
@@ -177,6 +176,7 @@ class Estimator:
     @overload
     def train_and_evaluate(self, train_input, eval_input, **options) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
+    @policies.takes_old_best_arguments
     def train_and_evaluate(
         self,
         train_input,
@@ -188,7 +188,6 @@ class Estimator:
         eval_every_epochs: int | None = None,
         best: Best | None = None,
         hooks: Sequence[Hook] = (),
-        **deprecated,
     ) -> dict[str, float] | dict[str, dict[str, float]]:
         """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation
         (``{name: results}`` for a mapping of sets).
@@ -211,15 +210,15 @@ class Estimator:
                 with ``patience`` training stops when it has not improved for that many
                 evaluations. With several sets, ``Best(set=...)`` names the one that decides.
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
-            **deprecated: ``best_metric=``, ``mode=`` and ``patience=`` still work for
-                one release (a ``DeprecationWarning``): they become ``best=Best(...)``.
+
+        ``best_metric=``, ``mode=`` and ``patience=`` still work for one release (a
+        ``DeprecationWarning``): they become ``best=Best(...)``.
         """
         if (eval_every_steps is None) == (eval_every_epochs is None):
             raise ConfigError(
                 "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
                 f"received {eval_every_steps=}, {eval_every_epochs=}."
             )
-        best = config_lib.best_from(best, deprecated)
         sets = eval_sets.named(eval_input)
         best_set = eval_sets.deciding(best, sets)
         every = eval_every_steps
