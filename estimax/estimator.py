@@ -2,9 +2,10 @@
 
 A table of verbs. Each checks its arguments and its input, then hands the
 work to the part that owns it: ``train_call.py`` (each training call),
-``evaluations.py`` (the evaluation sets on the state a verb reads), ``evaluator.py``
-(prediction), ``current_state.py`` (which state), ``serving/export.py``. The parts are built once, in
-``assembly.py``; the Estimator decides nothing they decide.
+``evaluations.py`` (the evaluation sets on the state a verb reads),
+``evaluator.py`` (prediction), ``current_state.py`` (which state),
+``serving/export.py``. The parts are built once, in ``assembly.py``; the
+Estimator decides nothing they decide.
 """
 
 from __future__ import annotations
@@ -203,14 +204,11 @@ class Estimator:
         """
         every = (eval_every_steps, eval_every_epochs)
         call = self._train_call.evaluated(
-            train_input, eval_sets.named(eval_input), every, best, hooks, self._checks, self._evaluations.one_set
+            train_input, eval_input, every, best, hooks, self._checks, self._evaluations.one_set
         )
+        lengths = (max_steps, None, epochs)
         loop = self._train_call.train(
-            call.train_input,
-            (max_steps, None, epochs),
-            call.hooks,
-            call.evaluation,
-            computation=self._checks.computation,
+            call.train_input, lengths, call.hooks, call.evaluation, computation=self._checks.computation
         )
         if loop is None:  # nothing left to train: the current state's evaluation
             return self.evaluate(eval_sets.returned(call.sets))

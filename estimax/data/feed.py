@@ -54,10 +54,10 @@ class DeviceBatch(NamedTuple):
 
 
 class Shard(NamedTuple):
-    """The part of the input one process reads: process ``index`` of ``count`` (``train_stacks(shard=...)``)."""
+    """The part of the input one process reads: process ``process_index`` of ``process_count``."""
 
-    index: int
-    count: int
+    process_index: int
+    process_count: int
 
 
 # -- host batches -------------------------------------------------------------
@@ -97,7 +97,7 @@ def train_stacks(
     (a Grain ``IterDataset``) resume from ``input_state``, the value a
     ``DeviceChunk`` carried. Plain iterables are checked batch by batch and
     stacked here, and may end early with a shorter stack. ``shard``: which
-    process of how many reads (``Shard(index, count)``); default JAX's.
+    process of how many reads (``Shard(process_index, process_count)``); default JAX's.
     """
     check_source(source)
     process_index, process_count = shard or Shard(jax.process_index(), jax.process_count())
@@ -147,7 +147,7 @@ def eval_batches(source, host_batch_size: int, *, shard: Shard | None = None) ->
     short or empty batches, padded and fully masked by ``plan.InputPlan.eval_batches``,
     so that every process runs the same steps and each example counts once.
     Plain iterables must yield the same number of batches on every process.
-    ``shard``: which process of how many reads (``Shard(index, count)``); default JAX's.
+    ``shard``: which process of how many reads (``Shard(process_index, process_count)``); default JAX's.
     """
     check_source(source)
     if isinstance(source, Source):
