@@ -272,7 +272,7 @@ def export(args, task, estimator, first: bool) -> int:
 
 def _first_features(predict_input):
     """The features of the first example of ``predict_input`` (a batch of one)."""
-    features, _ = next(iter(feed.eval_batches(predict_input, 1, process_index=0, process_count=1)))
+    features, _ = next(iter(feed.eval_batches(predict_input, 1, shard=feed.Shard(0, 1))))
     return features
 
 
