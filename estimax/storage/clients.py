@@ -36,11 +36,16 @@ def use_one_client() -> None:
     Python clients read, on every store access. A variable already set is kept.
     """
     os.environ.setdefault("EPATH_USE_TF", "false")
-    host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host:
-        endpoint = host if "://" in host else f"http://{host}"
+    endpoint = emulator_endpoint()
+    if endpoint:
         for variable in EMULATOR_VARIABLES:
             os.environ.setdefault(variable, endpoint)
+
+
+def emulator_endpoint() -> str | None:
+    """The GCS emulator's URL, from ``STORAGE_EMULATOR_HOST`` (the Python clients' variable); ``None`` if unset."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    return (host if "://" in host else f"http://{host}") if host else None
 
 
 def client_options(deadline: float) -> None:

@@ -8,7 +8,8 @@ a bucket before anything is written, so that missing credentials, a missing
 bucket or permission is one line naming the URL and the fix. Every operation
 on a store is bounded by the store's deadline (``deadlines.py``). Does not own
 what is written where (``run_dir.py``), the checkpoint format (Orbax), nor
-conditional writes (``conditional.py``).
+conditional writes (``conditional.py``). ``quiet_tensorstore`` keeps TensorStore's
+credentials line off the console on the GCS emulator.
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ import uuid
 
 from estimax.errors import StorageError
 from estimax.records import noise
-from estimax.storage.clients import CLIENTS, client_options, use_one_client
+from estimax.storage.clients import CLIENTS, EMULATOR_VARIABLES, client_options, emulator_endpoint, use_one_client
 from estimax.storage.deadlines import bounded, deadline_seconds, unanswered, with_deadline
 from estimax.storage.paths import is_url, scheme
 
 PROBE = ".estimax-probe-"  # the name of the object ``check_store`` writes and deletes
+
+
+def quiet_tensorstore(path: str) -> None:
+    """Keeps TensorStore's credentials line off the console when ``path`` is on the GCS emulator (its
+    endpoint is ``STORAGE_EMULATOR_HOST``'s, which takes anonymous requests); on real GCS it stays."""
+    endpoint = emulator_endpoint()
+    if scheme(path) == "gs" and endpoint and os.environ.get(EMULATOR_VARIABLES[0]) == endpoint:
+        client_options(deadline_seconds())  # before TensorStore's first request: it reads its variables once
+        noise.quiet_tensorstore_credentials(path.split("/")[2])
 
 
 def filesystem(path: str):
