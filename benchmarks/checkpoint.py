@@ -17,8 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from estimax.checkpoint import Checkpointer, checksums
 from estimax.config import CheckpointPolicy
+from estimax.run.checkpoint import Checkpointer, checksums
 
 SIZES_MIB = (1, 16, 64, 256)
 REPEATS = 3

@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 import estimax as ex
-from estimax import flops
 from estimax.examples import lm
+from estimax.records import flops
 
 GPT2 = lm.PRESETS["gpt2-small"]
 

@@ -26,7 +26,7 @@ kept (every round's are in ``steps_per_sec_rounds``). One JSON line per workload
 median, max over rounds), a model_dir against none paired within each round
 (``model_dir_vs_none_<input>_rounds``), the loop ``auto`` chose, and per contender the achieved TFLOP/s by
 the compiler's count of the hand-written step, the MFU where the device's
-peak is known (``estimax/flops.py``) and tokens/s for the token models.
+peak is known (``estimax/records/flops.py``) and tokens/s for the token models.
 
 Expected on XLA:CPU: the scan wins on the host-bound MLP and LSTM, while the
 CNN's convolution gradients run ~10x slower inside a rolled ``lax.scan`` than
@@ -64,8 +64,8 @@ import optax
 from flax import nnx
 
 import estimax as ex
-from estimax import flops
 from estimax.examples import digits, lm
+from estimax.records import flops
 
 IN_FLIGHT = 10  # the jit_step reference waits on the step this many calls back
 

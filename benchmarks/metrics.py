@@ -116,7 +116,7 @@ def tensorboard_per_step(num_steps: int = 50_000, log_every_steps: int = 100) ->
     comparison, one ``write`` call per step with 5 scalars."""
     import tempfile
 
-    from estimax.writers import TensorBoardWriter
+    from estimax.records.writers import TensorBoardWriter
 
     rng = np.random.default_rng(0)
     flush_steps = int(TensorBoardWriter.FLUSH_SECONDS * 7_000)

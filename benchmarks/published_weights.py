@@ -20,7 +20,7 @@ import numpy as np
 import safetensors.numpy
 
 import estimax as ex
-from estimax import weight_files
+from estimax.fine_tuning import weight_files
 
 
 def main() -> None:

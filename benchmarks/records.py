@@ -102,7 +102,7 @@ def tensorboard_on_a_bucket(url: str, flushes: int, steps: int = 300) -> dict:
     import numpy as np
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from estimax.writers import TensorBoardWriter
+    from estimax.records.writers import TensorBoardWriter
 
     columns = {tag: np.random.rand(steps) for tag in ("loss", "grad_norm", "learning_rate", "accuracy", "norm")}
     result = {}

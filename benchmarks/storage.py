@@ -40,8 +40,8 @@ from stores import GCSEmulator, S3Server  # noqa: E402
 
 
 def measure(estimator, directory: str, repeats: int) -> dict:
-    from estimax.checkpoint import Checkpointer
     from estimax.config import CheckpointPolicy
+    from estimax.run.checkpoint import Checkpointer
 
     state = estimator.state()
     shapes = estimator.state_shapes()

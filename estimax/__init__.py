@@ -29,21 +29,21 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.estimator import Estimator as Estimator
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.fine_tuning import LoRA as LoRA
+    from estimax.fine_tuning.warm_start import WarmStart as WarmStart
     from estimax.follow import FollowPolicy as FollowPolicy
+    from estimax.group.peers import PEER_LOST_EXIT_CODE as PEER_LOST_EXIT_CODE
+    from estimax.group.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+    from estimax.group.preemption import Interrupted as Interrupted
+    from estimax.group.preemption import Preempted as Preempted
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
     from estimax.loop import Compiled as Compiled
-    from estimax.peers import PEER_LOST_EXIT_CODE as PEER_LOST_EXIT_CODE
-    from estimax.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
-    from estimax.preemption import Interrupted as Interrupted
-    from estimax.preemption import Preempted as Preempted
     from estimax.spec import EVAL as EVAL
     from estimax.spec import PREDICT as PREDICT
     from estimax.spec import TRAIN as TRAIN
     from estimax.spec import Mode as Mode
     from estimax.spec import Spec as Spec
     from estimax.state import TrainState as TrainState
-    from estimax.warm_start import WarmStart as WarmStart
 
 _SUBMODULES = ("data", "distributed", "errors", "hooks", "metrics", "models", "serving", "trackers")
 _MOVED = {"task": "estimax.cli.task"}  # old paths, kept for one release with a DeprecationWarning
@@ -56,19 +56,19 @@ _NAMES = {
     "Estimator": "estimax.estimator",
     "UntrainedWarning": "estimax.estimator",
     "FollowPolicy": "estimax.follow",
-    "Interrupted": "estimax.preemption",
+    "Interrupted": "estimax.group.preemption",
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",
-    "PEER_LOST_EXIT_CODE": "estimax.peers",
-    "PREEMPTED_EXIT_CODE": "estimax.preemption",
-    "Preempted": "estimax.preemption",
+    "PEER_LOST_EXIT_CODE": "estimax.group.peers",
+    "PREEMPTED_EXIT_CODE": "estimax.group.preemption",
+    "Preempted": "estimax.group.preemption",
     "EVAL": "estimax.spec",
     "PREDICT": "estimax.spec",
     "TRAIN": "estimax.spec",
     "Mode": "estimax.spec",
     "Spec": "estimax.spec",
     "TrainState": "estimax.state",
-    "WarmStart": "estimax.warm_start",
+    "WarmStart": "estimax.fine_tuning.warm_start",
     **dict.fromkeys(_errors.__all__, "estimax.errors"),  # every error kind, as ex.ConfigError
 }
 

@@ -18,20 +18,23 @@ from collections.abc import Callable
 import jax
 import optax
 
-from estimax import accumulation, averaging, compile_cache, freezing, lora, resize, run_setup, validation
-from estimax import checkpoint as checkpoint_lib
+from estimax import accumulation, compile_cache
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.call_writers import CallWriters
-from estimax.current_state import CurrentState
-from estimax.data.plan import Plan
+from estimax.checks import validation
+from estimax.data.plan import InputPlan
 from estimax.distributed import Sync
 from estimax.evaluator import Evaluator
+from estimax.fine_tuning import averaging, freezing, lora
 from estimax.models import resolve as resolve_model
-from estimax.run_dir import open_run_dir
+from estimax.records.call_writers import CallWriters
+from estimax.records.writers import ensure_console
+from estimax.run import checkpoint as checkpoint_lib
+from estimax.run import resize, run_setup
+from estimax.run.current_state import CurrentState
+from estimax.run.run_dir import open_run_dir
 from estimax.step import Core
-from estimax.trainer import Trainer
-from estimax.writers import ensure_console
+from estimax.train_call import TrainCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +46,11 @@ class Parts:
     layout: layout_lib.Layout
     run_dir: object  # a RunDir, or a NoRunDir without model_dir
     current: CurrentState
-    plan: Plan
+    plan: InputPlan
     checks: validation.ModeChecks
     evaluator: Evaluator
     writers: CallWriters
-    trainer: Trainer
+    train_call: TrainCall
     state_shapes: Callable  # () -> the TrainState as ShapeDtypeStructs with their shardings: nothing allocated
     trainable: freezing.FreezePlan | None = None  # what trains at each phase of RunConfig(freeze=...)
     merged: Callable | None = None  # under LoRA: state -> (the base model's Core, state with adapters merged)
@@ -57,7 +60,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
     """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start)``; the
     arguments are checked already."""
     compile_cache.enable(config.compilation_cache)
-    mesh = mesh_lib.make_mesh(validation.devices(config.num_devices), config.mesh)
+    mesh = mesh_lib.make_mesh(mesh_lib.devices(config.num_devices), config.mesh)
     with jax.set_mesh(mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
         adapter = resolve_model(lora.wrap(model, config.lora), params, config.seed)
         # Frozen parameters: a zero update, no optimizer state, no weight gradient (freezing.py); under
@@ -87,7 +90,7 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
     shapes = functools.partial(_state_shapes, abstract_state, layout)  # the target of every restore
     adapters = config.lora.adapters if config.lora else None  # an adapter file to start from
     current = CurrentState(run_dir, shapes, functools.partial(_initialise, core, layout, adapters), warm_start, setup)
-    plan = Plan(config, layout, sync)
+    plan = InputPlan(config, layout, sync)
     accumulation.warn_if_multisteps(abstract_state.opt_state)
     writers = CallWriters(config, run_dir, params, mesh.size)
     parts = Parts(
@@ -100,7 +103,9 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         checks=validation.ModeChecks(core, abstract_state, plan),
         evaluator=Evaluator(core, layout, plan, config.quiet),
         writers=writers,
-        trainer=Trainer(config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]),
+        train_call=TrainCall(
+            config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]
+        ),
         state_shapes=shapes,
         trainable=trainable,
         merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from estimax import counting, eval_sets
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.fine_tuning import LoRA, check_freeze
-from estimax.tracker_kinds import resolve as resolve_trackers
+from estimax.records.tracker_kinds import resolve as resolve_trackers
 
 LOOP_KINDS = ("auto", "scan", "step")
 """The device loops ``RunConfig(loop=...)`` and ``--loop`` take."""
@@ -270,7 +270,7 @@ class RunConfig:
         (full match, as ``sharding_rules``), or a schedule ``{step: [regex, ...]}``
         whose entry applies from that step until the next one (``{0: ["embed/.*"],
         500: []}`` unfreezes the embedding at step 500). Frozen parameters keep their
-        values bit for bit and have no optimizer state (``estimax/freezing.py``); a
+        values bit for bit and have no optimizer state (``estimax/fine_tuning/freezing.py``); a
         rule that matches nothing is an error.
       lora: ``LoRA(layers=[regex, ...], rank=8, alpha=16)``: low-rank adapters on
         those linear layers of an NNX model; only the adapters train.
@@ -335,7 +335,7 @@ class RunConfig:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
             _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
-        if self.train_batch_size % self.grad_accum_steps:  # over the devices too: Plan.check, when training starts
+        if self.train_batch_size % self.grad_accum_steps:  # over the devices too: InputPlan.check, when training starts
             raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
                 f"grad_accum_steps={self.grad_accum_steps} equal micro-batches; expected a multiple of "

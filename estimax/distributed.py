@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import jax
 
-from estimax import clusters, peers
 from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
+from estimax.group import clusters, peers
 
 logger = logging.getLogger("estimax")
 
@@ -123,7 +123,7 @@ def initialize(
         peers.PeerWatch(_client(), jax.process_index(), jax.process_count(), peer_timeout, host).start()
     if jax.process_index() != 0 and os.environ.get(ALL_LOGS_ENV) != "1":
         logger.setLevel(logging.WARNING)  # process 0 speaks for the group
-    from estimax.writers import ensure_console
+    from estimax.records.writers import ensure_console
 
     ensure_console()  # the first line says which group this is, before any Estimator exists
     logger.info(

@@ -1,7 +1,7 @@
 """Estimator: train, evaluate, predict and export one model_fn on every device.
 
 A table of verbs. Each checks its arguments and its input, then hands the
-work to the part that owns it: ``trainer.py`` (each training call),
+work to the part that owns it: ``train_call.py`` (each training call),
 ``evaluator.py`` (evaluation and prediction), ``current_state.py`` (which
 state), ``serving/export.py``. The parts are built once, in
 ``assembly.py``; the Estimator decides nothing they decide.
@@ -15,26 +15,29 @@ from typing import Any, overload
 import jax
 import optax
 
-from estimax import assembly, averaging, calls, eval_sets, run_computation, validation
+from estimax import assembly, eval_sets
 from estimax import config as config_lib
 from estimax import follow as follow_lib
-from estimax import host_metrics as host_metrics_lib
-from estimax import lora as lora_lib
+from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
-from estimax.current_state import UntrainedWarning  # noqa: F401 (public here)
-from estimax.data.plan import Plan
+from estimax.data.plan import InputPlan
 from estimax.errors import ConfigError, ConfigTypeError
+from estimax.fine_tuning import averaging
+from estimax.fine_tuning import lora as lora_lib
+from estimax.fine_tuning.warm_start import WarmStart
 from estimax.fingerprint import Computation
 from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
+from estimax.metrics import host_metrics as host_metrics_lib
+from estimax.run import run_computation
+from estimax.run.current_state import UntrainedWarning  # noqa: F401 (public here)
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.step import Core
-from estimax.warm_start import WarmStart
 
 
 class Estimator:
@@ -77,7 +80,7 @@ class Estimator:
         parts = assembly.assemble(model, model_fn, optimizer, config, self.params, warm_start)
         self.mesh, self.layout, self.run_dir = parts.mesh, parts.layout, parts.run_dir
         self._parts, self._current, self._plan, self._checks = parts, parts.current, parts.plan, parts.checks
-        self._evaluator, self._trainer = parts.evaluator, parts.trainer
+        self._evaluator, self._train_call = parts.evaluator, parts.train_call
         self._host_metrics = host_metrics
 
     # -- state ---------------------------------------------------------------
@@ -111,11 +114,11 @@ class Estimator:
     def compiled(self) -> Compiled:
         """What has been compiled so far: the device loop training runs, and how many programs
         of each kind (``estimax.loop.Compiled``)."""
-        return Compiled.of(self.config.loop, self._trainer.runner, self._evaluator.runner)
+        return Compiled.of(self.config.loop, self._train_call.runner, self._evaluator.runner)
 
     @property
-    def plan(self) -> Plan:
-        """The input side (``estimax.data.plan.Plan``): each mode's global and host batch, the
+    def plan(self) -> InputPlan:
+        """The input side (``estimax.data.plan.InputPlan``): each mode's global and host batch, the
         batches on the mesh, the epoch arithmetic and the feature shapes of the last input."""
         return self._plan
 
@@ -162,8 +165,8 @@ class Estimator:
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
         """
         input = self._checks.train(input)
-        self._trainer.train(
-            input, (max_steps, steps, epochs), self._trainer.hooks(hooks), computation=self._checks.computation
+        self._train_call.train(
+            input, (max_steps, steps, epochs), self._train_call.hooks(hooks), computation=self._checks.computation
         )
         return self
 
@@ -222,19 +225,19 @@ class Estimator:
         every = eval_every_steps
         if eval_every_epochs is not None:
             every = eval_every_epochs * self._plan.steps_per_epoch(train_input)
-        hooks = self._trainer.hooks(hooks, best, best_set)  # with early stopping where best has a patience
+        hooks = self._train_call.hooks(hooks, best, best_set)  # with early stopping where best has a patience
         validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = self._checks.train(train_input)
         used = validation.metrics_used(hooks, best)
         sets = {name: self._checks.evaluate(input, used) for name, input in sets.items()}
-        evaluation = self._trainer.evaluation(
+        evaluation = self._train_call.evaluation(
             lambda name, state, should_stop: self._evaluate_set(name, sets[name], state, should_stop=should_stop),
             every,
             best,
             tuple(sets),
             best_set,
         )
-        loop = self._trainer.train(
+        loop = self._train_call.train(
             train_input, (max_steps, None, epochs), hooks, evaluation, computation=self._checks.computation
         )
         if loop is None:  # nothing left to train: the current state's evaluation
@@ -361,7 +364,7 @@ class Estimator:
             ),
             export_base=export,
         )
-        return follow_lib.Follower(self.run_dir, work, name, policy or FollowPolicy(), self._trainer.sync).run()
+        return follow_lib.Follower(self.run_dir, work, name, policy or FollowPolicy(), self._train_call.sync).run()
 
     def _evaluate_set(
         self,

@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 import jax
 
 from estimax import counting, eval_sets
-from estimax import host_metrics as host_metrics_lib
 from estimax import metrics as metrics_lib
 from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
 from estimax.errors import EstimaxError, EvaluationError, InputError, one_line
 from estimax.loop import EvalRunner
-from estimax.progress import EvalProgress
+from estimax.metrics import host_metrics as host_metrics_lib
+from estimax.records.progress import EvalProgress
 from estimax.spec import EVAL, PREDICT
 from estimax.state import has_deleted_arrays
 
@@ -84,7 +84,7 @@ def _check_not_donated(state, step: int) -> None:
 class Evaluator:
     """Evaluates and predicts for an Estimator.
 
-    ``plan``: the Estimator's input ``Plan``, which gives the batches; ``quiet``: no progress bar.
+    ``plan``: the Estimator's ``InputPlan``, which gives the batches; ``quiet``: no progress bar.
     """
 
     def __init__(self, core, layout, plan, quiet: bool):

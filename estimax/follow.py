@@ -30,12 +30,12 @@ from typing import Any
 import jax
 
 from estimax import storage
-from estimax.checkpoint import Checkpointer
 from estimax.config import CheckpointPolicy
 from estimax.errors import ConfigError
-from estimax.holds import Hold
+from estimax.records.writers import TensorBoardWriter, VersionedObject, format_values
+from estimax.run.checkpoint import Checkpointer
+from estimax.run.holds import Hold
 from estimax.serving import export_base
-from estimax.writers import TensorBoardWriter, VersionedObject, format_values
 
 logger = logging.getLogger("estimax")
 

@@ -13,7 +13,7 @@ that step is the one saved. So that this holds, while any hook may stop from
 dispatched (the device waits for the host between loops); a hook whose
 ``after_loop`` never stops sets ``may_stop = False`` and keeps the overlap, as
 the built-in logging and progress bar do. ``may_stop`` below is the one place
-that reads it (``training.py`` asks it of every hook of a call).
+that reads it (``host_loop.py`` asks it of every hook of a call).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 
 from estimax import counting
 from estimax.errors import ConfigError, ModelUnavailableError
-from estimax.summaries import Summaries
+from estimax.records.summaries import Summaries
 
 logger = logging.getLogger("estimax")
 

@@ -17,10 +17,11 @@ import time
 import jax
 import numpy as np
 
-from estimax import counting, flops
+from estimax import counting
 from estimax import metrics as metrics_lib
 from estimax.data.feed import DeviceChunk
 from estimax.errors import SpecError
+from estimax.records import flops
 from estimax.step import eval_states_of
 
 logger = logging.getLogger("estimax")
@@ -52,7 +53,7 @@ class Compiled:
     predict_step: int = 0
 
     @classmethod
-    def of(cls, loop: str, train: TrainRunner | None, evaluation: EvalRunner | None) -> Compiled:
+    def of(cls, loop: str, train: DeviceLoop | None, evaluation: EvalRunner | None) -> Compiled:
         counts = {}
         if train is not None:
             loop, counts["train_scan"], counts["train_step"] = train.loop, _count(train.scan), _count(train.step)
@@ -85,7 +86,7 @@ def _gathered_copy(tree, replicated):
     return jax.lax.with_sharding_constraint(jax.tree.map(jax.numpy.copy, tree), replicated)
 
 
-class TrainRunner:
+class DeviceLoop:
     """Runs chunks of training steps on the mesh, as a scan or step by step.
 
     ``run`` only dispatches: it returns the new state and the per-step

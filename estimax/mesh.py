@@ -24,6 +24,17 @@ FSDP_AXIS = "fsdp"
 BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # both split the batch; FSDP also shards the state
 
 
+def devices(num_devices: int | None) -> list:
+    """The first ``num_devices`` of JAX's devices (all of them for ``None``)."""
+    devices = jax.devices()
+    if num_devices is not None and num_devices > len(devices):
+        raise ConfigError(
+            f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
+            f"expected at most {len(devices)}."
+        )
+    return devices[:num_devices]
+
+
 def make_mesh(devices=None, axes: Mapping[str, int] | None = None) -> Mesh:
     """A mesh over ``devices`` (default: all devices).
 

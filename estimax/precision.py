@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from estimax.flops import equations
+from estimax.records.flops import equations
 
 logger = logging.getLogger("estimax")
 

@@ -25,7 +25,7 @@ import os
 
 from estimax import distributed
 from estimax.errors import ConfigError, MissingLibraryError
-from estimax.lock import RUN_ID
+from estimax.run.lock import RUN_ID
 
 
 def initialize(timeout_seconds: int = 300) -> bool:

@@ -15,9 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from estimax import accumulation, averaging, diagnose, precision
+from estimax import accumulation, precision
 from estimax import metrics as metrics_lib
+from estimax.checks import diagnose
 from estimax.errors import ConfigError, SpecError
+from estimax.fine_tuning import averaging
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from estimax.tracker_kinds import SERVER_PATIENCE, TRACKERS, MLflow, MLflowWriter, RunContext, resolve
+from estimax.records.tracker_kinds import SERVER_PATIENCE, TRACKERS, MLflow, MLflowWriter, RunContext, resolve
 
 __all__ = [
     "MLflow",
@@ -40,7 +40,7 @@ def writers(config, params: Mapping, run_ids: dict, run_dir) -> list:
     ``run_dir``: the run's ``RunDir`` (or ``NoRunDir``)."""
     if not config.trackers:
         return []
-    from estimax.writer_thread import InBackground
+    from estimax.records.writer_thread import InBackground
 
     run = RunContext(run_dir.name, run_parameters(config, params), run_ids, run_dir.trackers_file)
     return [InBackground(tracker.writer(run), repr(tracker)) for tracker in config.trackers]

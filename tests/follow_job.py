@@ -26,7 +26,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from models import blobs, estimator  # noqa: E402
 
 import estimax as ex  # noqa: E402
-from estimax import checkpoint, follow, holds  # noqa: E402
+from estimax import follow  # noqa: E402
+from estimax.run import checkpoint, holds
 
 EVAL = 96  # examples of the evaluation input (3 batches of 32)
 

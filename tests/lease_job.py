@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from models import blobs, estimator  # noqa: E402
 
 import estimax as ex  # noqa: E402
-from estimax.writers import JsonlWriter, TensorBoardWriter  # noqa: E402
+from estimax.records.writers import JsonlWriter, TensorBoardWriter  # noqa: E402
 
 
 class WaitAt(ex.Hook):

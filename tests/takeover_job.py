@@ -29,7 +29,7 @@ from models import blobs, estimator  # noqa: E402
 from orbax.checkpoint.path import atomicity  # noqa: E402
 
 import estimax as ex  # noqa: E402
-from estimax.writers import JsonlWriter, TensorBoardWriter  # noqa: E402
+from estimax.records.writers import JsonlWriter, TensorBoardWriter  # noqa: E402
 
 
 def stop_in_the_save_of(step: int) -> None:

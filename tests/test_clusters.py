@@ -20,9 +20,9 @@ from helpers import (
     run_one_process,
 )
 
-from estimax import clusters
 from estimax.distributed import free_port
 from estimax.errors import DistributedError
+from estimax.group import clusters
 
 EIGHT_GPUS = "0,1,2,3,4,5,6,7"
 

@@ -13,7 +13,7 @@ from models import blobs, estimator
 import estimax as ex
 from estimax.data import arrayrecord, feed, files
 from estimax.errors import ConfigError, InputError, StorageError
-from estimax.loop import TrainRunner
+from estimax.loop import DeviceLoop
 
 Feature = ex.data.array_record.Feature
 SPEC = {"x": Feature(np.float32, (6,)), "id": Feature(np.int64), "label": Feature(np.int32)}
@@ -70,13 +70,13 @@ def test_every_feature_kind_reads_back_as_written(tmp_path):
 
 def test_three_epochs_in_the_device_loop_see_each_example_once_per_epoch(tmp_path, monkeypatch):
     consumed = []
-    run = TrainRunner.run
+    run = DeviceLoop.run
 
     def recording_run(self, state, chunk):
         consumed.append(np.asarray(chunk.stack[0]["id"]).reshape(-1, 64))
         return run(self, state, chunk)
 
-    monkeypatch.setattr(TrainRunner, "run", recording_run)
+    monkeypatch.setattr(DeviceLoop, "run", recording_run)
     source = _source(tmp_path, 1000)
     est = estimator(train_batch_size=64, steps_per_loop=7, loop="scan").train(source, epochs=3)
     steps = 1000 // 64

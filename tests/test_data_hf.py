@@ -20,7 +20,7 @@ import pyarrow.parquet as pq  # noqa: E402
 import estimax as ex  # noqa: E402
 from estimax.data import feed  # noqa: E402
 from estimax.errors import ConfigError  # noqa: E402
-from estimax.loop import TrainRunner  # noqa: E402
+from estimax.loop import DeviceLoop  # noqa: E402
 
 datasets.disable_progress_bars()
 
@@ -134,13 +134,13 @@ def test_a_stream_resumes_from_its_saved_state(tmp_path, num_workers):
 
 def test_a_resumed_run_continues_the_stream_where_it_stopped(tmp_path, model_dir, monkeypatch):
     consumed = []
-    run = TrainRunner.run
+    run = DeviceLoop.run
 
     def recording_run(self, state, chunk):
         consumed.append(np.asarray(chunk.stack[0]["id"]).reshape(-1))
         return run(self, state, chunk)
 
-    monkeypatch.setattr(TrainRunner, "run", recording_run)
+    monkeypatch.setattr(DeviceLoop, "run", recording_run)
     source = ex.data.from_hf(_stream(tmp_path, 600), ["id", "x"], label="y")
     straight = estimator(f"{model_dir}-straight", steps_per_loop=4).train(source, max_steps=16)
     uninterrupted, consumed[:] = np.concatenate(consumed), []

@@ -14,7 +14,7 @@ from models import blobs, estimator
 
 import estimax as ex
 from estimax.data import feed, tfrecord
-from estimax.loop import TrainRunner
+from estimax.loop import DeviceLoop
 
 
 def _grain_examples(n):
@@ -50,13 +50,13 @@ def _source(kind, n, tmp_path, num_files=4):
 def test_three_epochs_see_every_example_once_per_epoch(kind, tmp_path, monkeypatch, estimax_log):
     """What the device loop consumed, over 3 epochs of 1,000 examples, batch 64, 8 devices."""
     consumed = []
-    run = TrainRunner.run
+    run = DeviceLoop.run
 
     def recording_run(self, state, chunk):
         consumed.append(np.asarray(chunk.stack[0]["id"]).reshape(-1, 64))
         return run(self, state, chunk)
 
-    monkeypatch.setattr(TrainRunner, "run", recording_run)
+    monkeypatch.setattr(DeviceLoop, "run", recording_run)
     est = estimator(train_batch_size=64, steps_per_loop=7, loop="scan")
     est.train(_source(kind, 1000, tmp_path), epochs=3)
     announced = re.search(r"epoch is (\d+) steps .*; (\d+) examples per epoch are dropped", estimax_log.text)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 import estimax as ex
-from estimax import flops
 from estimax.examples import lm
+from estimax.records import flops
 
 
 class Seen(ex.Hook):

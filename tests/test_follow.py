@@ -21,7 +21,7 @@ from models import estimator
 
 import estimax as ex
 from estimax import storage
-from estimax.holds import Hold, live_floors
+from estimax.run.holds import Hold, live_floors
 from estimax.serving.export_base import versions
 
 JOB = os.path.join(os.path.dirname(__file__), "follow_job.py")

@@ -25,8 +25,8 @@ from stores import GCSEmulator
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailableError
-from estimax.lease import PAUSE_SECONDS, LeaseLock
-from estimax.lock import LOCK_FILE, Lock, holder_record
+from estimax.run.lease import PAUSE_SECONDS, LeaseLock
+from estimax.run.lock import LOCK_FILE, Lock, holder_record
 
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
 
@@ -89,7 +89,7 @@ def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_proce
 
 HOLDER = """
 import socket, sys, time
-from estimax.lease import lock_for
+from estimax.run.lease import lock_for
 
 if len(sys.argv) > 2:  # as if on another host: the host its record names, where its pid cannot be checked
     socket.gethostname = lambda: sys.argv[2]

@@ -16,7 +16,7 @@ import time
 from helpers import MULTIHOST_JOB, checkpoint_steps, job_env
 
 from estimax import distributed
-from estimax.peers import PEER_LOST_EXIT_CODE
+from estimax.group.peers import PEER_LOST_EXIT_CODE
 
 TIMEOUT = 2
 

@@ -26,7 +26,7 @@ from models import blobs, estimator
 import estimax as ex
 from estimax.errors import EvaluationError
 from estimax.estimator import UntrainedWarning
-from estimax.lock import LOCK_FILE, Lock, ModelDirLocked, ModelDirNotWritable, holder_record, process_start
+from estimax.run.lock import LOCK_FILE, Lock, ModelDirLocked, ModelDirNotWritable, holder_record, process_start
 
 TESTS = os.path.dirname(__file__)
 JOB = os.path.join(TESTS, "reliability_job.py")

@@ -17,9 +17,9 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
-from estimax import resize
 from estimax.data import arrayrecord, feed, tfrecord
 from estimax.data.plan import POSITIONS
+from estimax.run import resize
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)

@@ -1,7 +1,7 @@
 """An s3:// model_dir end to end against moto's S3 server on 127.0.0.1, as tests/test_storage.py does gs://:
 train, keep N (each step uncommitted before its other objects go), heal, SIGTERM, resume bitwise, best,
 warm start, export, the lease lock, the endpoint variables, two processes and a SIGKILL, and Orbax's
-patch (estimax/orbax_s3.py) checked against the installed Orbax."""
+patch (estimax/storage/orbax_s3.py) checked against the installed Orbax."""
 
 import base64
 import json
@@ -18,10 +18,11 @@ from helpers import STORE_DATA, SigtermAfter, bucket_names, store_estimator
 from models import mlp, model_fn
 
 import estimax as ex
-from estimax import orbax_s3, storage
+from estimax import storage
 from estimax.errors import StorageError
-from estimax.lease import LeaseLock
-from estimax.lock import holder_record
+from estimax.run.lease import LeaseLock
+from estimax.run.lock import holder_record
+from estimax.storage import orbax_s3
 
 
 def assert_same_params(a, b):
@@ -164,7 +165,7 @@ def test_s3_missing_bucket_is_one_line_before_the_first_step(s3):
 
 
 def test_the_orbax_patch_fits_the_installed_orbax_or_names_itself(monkeypatch):
-    """Fails loudly when Orbax changes under estimax/orbax_s3.py: pin orbax-checkpoint or update the patch."""
+    """Fails loudly when Orbax changes under estimax/storage/orbax_s3.py: pin orbax-checkpoint or update the patch."""
     from orbax.checkpoint._src.serialization import tensorstore_utils
 
     orbax_s3.enable()  # raises StorageError naming the patch if the installed Orbax does not fit it
@@ -181,5 +182,5 @@ def test_the_orbax_patch_fits_the_installed_orbax_or_names_itself(monkeypatch):
 
     # An Orbax without one of the functions the patch replaces is refused, naming the patch and the fix.
     monkeypatch.delattr(tensorstore_utils, "_use_gcs_driver")
-    with pytest.raises(StorageError, match=r"estimax/orbax_s3.py.*_use_gcs_driver is gone.*orbax-checkpoint>="):
+    with pytest.raises(StorageError, match=r"estimax/storage/orbax_s3.py.*_use_gcs_driver is gone.*orbax-checkpoint>="):
         orbax_s3.enable.__wrapped__()

@@ -20,8 +20,8 @@ import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
 from estimax.errors import StorageError
-from estimax.lease import LeaseLock
-from estimax.lock import holder_record
+from estimax.run.lease import LeaseLock
+from estimax.run.lock import holder_record
 
 # -- paths as users type them -----------------------------------------------------------
 

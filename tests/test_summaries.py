@@ -150,7 +150,7 @@ def test_summaries_name_a_wrong_image_or_histogram_and_write_nothing_without_a_m
         estimator(None, tensorboard=True).train(ex.data.from_arrays(*blobs(64)), max_steps=4, hooks=[
             Bad(lambda s: s.image("x", np.zeros((2, 3, 4, 5)))),
         ])  # fmt: skip
-    from estimax.summaries import Summaries
+    from estimax.records.summaries import Summaries
 
     assert not Summaries().writes
     with pytest.raises(ex.InputError, match="1 of them NaN or Inf"):

@@ -15,10 +15,11 @@ import pytest
 from models import blobs, estimator
 
 import estimax as ex
-from estimax import events, storage
+from estimax import storage
 from estimax.errors import WriterError
-from estimax.writer_thread import InBackground
-from estimax.writers import JsonlWriter, TensorBoardWriter
+from estimax.records import events
+from estimax.records.writer_thread import InBackground
+from estimax.records.writers import JsonlWriter, TensorBoardWriter
 
 TESTS = os.path.dirname(__file__)
 # Trains until stopped; says "training" at step 20, so that the test acts while it trains.
@@ -145,7 +146,7 @@ PAST_CHECKPOINT = """
 import sys, threading
 from models import blobs, estimator
 import estimax as ex
-from estimax.writers import JsonlWriter, TensorBoardWriter
+from estimax.records.writers import JsonlWriter, TensorBoardWriter
 
 JsonlWriter.STORE_FLUSH_SECONDS = TensorBoardWriter.FLUSH_SECONDS = TensorBoardWriter.STORE_FLUSH_SECONDS = 0
 
@@ -360,7 +361,7 @@ def test_sigterm_on_a_full_disk_ends_the_process(small_disk):
 def test_a_writer_whose_store_stopped_answering_reports_the_store_not_itself():
     """A store past its deadline is the store's one line and exit code (74), not a writer failure."""
     from estimax.errors import STORE_FAILURE_EXIT_CODE, StoreUnavailableError
-    from estimax.writer_thread import InBackground
+    from estimax.records.writer_thread import InBackground
 
     class Stalled:
         def write(self, split, step, values):

@@ -29,9 +29,9 @@ from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import CheckpointError, ConfigError, ModelFnError
+from estimax.fine_tuning.warm_start import WarmStart
 from estimax.follow import FollowPolicy
 from estimax.spec import EVAL
-from estimax.warm_start import WarmStart
 
 logger = logging.getLogger("estimax")
 

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 
 from estimax.config import EMA_WARMUPS, EVAL_WEIGHTS, LOOP_KINDS
-from estimax.tracker_kinds import TRACKERS
+from estimax.records.tracker_kinds import TRACKERS
 
 TASK_COMMANDS = ("train", "evaluate", "predict", "export")  # the commands that take a task
 TRAIN = ("train",)

@@ -139,7 +139,7 @@ def eval_batches(
 
     Sources of known size yield the same number of batches on every process
     (the most any process needs): a process with fewer examples ends with
-    short or empty batches, padded and fully masked by ``plan.Plan.eval_batches``,
+    short or empty batches, padded and fully masked by ``plan.InputPlan.eval_batches``,
     so that every process runs the same steps and each example counts once.
     Plain iterables must yield the same number of batches on every process.
     """

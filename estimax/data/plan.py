@@ -50,7 +50,7 @@ def describe_input(input) -> str:
     return f"a plain iterable of batches ({type(input).__name__})"
 
 
-class Plan:
+class InputPlan:
     """The batches of one Estimator's verbs.
 
     Args:

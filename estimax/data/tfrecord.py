@@ -24,7 +24,7 @@ from estimax import storage
 from estimax.data import files as files_lib
 from estimax.data.grain import MapSource, file_source
 from estimax.errors import ConfigError, InputError
-from estimax.tfrecord_framing import frame, masked_crc
+from estimax.records.tfrecord_framing import frame, masked_crc
 
 
 def _example_class():

@@ -14,11 +14,12 @@ import logging
 
 import jax
 
-from estimax import counting, flops, trackers
+from estimax import counting, trackers
 from estimax.hooks import Hook
-from estimax.metric_logger import MetricLogger
-from estimax.progress import ProgressBar
-from estimax.writers import ConsoleWriter
+from estimax.records import flops
+from estimax.records.metric_logger import MetricLogger
+from estimax.records.progress import ProgressBar
+from estimax.records.writers import ConsoleWriter
 
 logger = logging.getLogger("estimax")
 

@@ -5,7 +5,7 @@ the previous loop's outputs (never the one just dispatched, so the device is
 not left idle), check them for NaN/Inf, hand records to the hooks, evaluate
 when due, checkpoint when due, stop on preemption, early stopping or a
 non-finite value, and account where the time went. The device loops
-themselves are ``loop.py``'s; ``trainer.py`` sets each call up.
+themselves are ``loop.py``'s; ``train_call.py`` sets each call up.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ import numpy as np
 
 from estimax import counting, eval_sets
 from estimax import metrics as metrics_lib
-from estimax import preemption as preemption_lib
 from estimax.distributed import Sync
 from estimax.errors import LeaseLostError, NonFiniteError, StoreUnavailableError
+from estimax.group import preemption as preemption_lib
+from estimax.group.preemption import PreemptionWatch
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary, may_stop, no_model
 from estimax.loop import read_outputs
-from estimax.preemption import PreemptionWatch
-from estimax.profiling import Profiler
-from estimax.saves import Saves
+from estimax.records.profiling import Profiler
+from estimax.records.summaries import Summaries
+from estimax.run.saves import Saves
 from estimax.state import has_deleted_arrays
-from estimax.summaries import Summaries
 
 logger = logging.getLogger("estimax")
 
@@ -92,7 +92,7 @@ class Laps:
         self.paused += seconds
 
 
-class TrainingLoop:
+class HostLoop:
     """One ``train`` / ``train_and_evaluate`` call's host loop."""
 
     def __init__(

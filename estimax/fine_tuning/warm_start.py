@@ -25,15 +25,16 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from estimax import averaging, storage, weight_files
-from estimax import checkpoint as checkpoint_lib
+from estimax import storage
 from estimax.errors import CheckpointError, ConfigTypeError
+from estimax.fine_tuning import averaging, weight_files
+from estimax.run import checkpoint as checkpoint_lib
 from estimax.state import leaf_names
 
 logger = logging.getLogger("estimax")
 
 
-class Plan(NamedTuple):
+class WarmStartPlan(NamedTuple):
     """What a warm start does: ``loaded`` (target <- source), ``skipped`` source arrays, target
     parameters ``initialised`` from scratch, ``notes`` on loaded ones (a transposition, a cast),
     ``problems`` (one line each, naming the parameter: a wrong shape, a renamed array the source
@@ -113,7 +114,7 @@ class WarmStart:
                 "{regex: replacement}, e.g. rename={'body/kernel': 'encoder.weight'}."
             )
 
-    def plan(self, target_params) -> Plan:
+    def plan(self, target_params) -> WarmStartPlan:
         """What ``apply`` would load, skip and leave at initialisation, and what cannot load (a dry run:
         only the source's shapes and dtypes are read where its format allows)."""
         return self._plan(_targets(target_params), self._source()[0])
@@ -162,7 +163,7 @@ class WarmStart:
             [jax.device_put(np.asarray(s).astype(t.dtype), t.sharding) for s, t in zip(leaves, target, strict=True)],
         )
 
-    def _plan(self, targets: dict[str, weight_files.ArraySpec], source: weight_files.WeightFile) -> Plan:
+    def _plan(self, targets: dict[str, weight_files.ArraySpec], source: weight_files.WeightFile) -> WarmStartPlan:
         loaded, initialised, problems, notes, used = [], [], [], {}, set()
         for name, target in targets.items():
             selected = any(re.fullmatch(p, name) for p in self.include) and not any(
@@ -184,7 +185,7 @@ class WarmStart:
             if note:
                 notes[name] = note
         skipped = sorted(set(source.specs) - used)
-        return Plan(loaded, skipped, initialised, notes, tuple(problems), f"{source.path} ({source.format})")
+        return WarmStartPlan(loaded, skipped, initialised, notes, tuple(problems), f"{source.path} ({source.format})")
 
     def _source_name(self, name: str) -> tuple[str, str | None]:
         """The name of ``name``'s array in the source, and the last rename rule that changed it (or None)."""

@@ -128,7 +128,7 @@ def kvstore_spec(url: str) -> dict:
 
 def _refuse(version: str, what: str) -> None:
     raise StorageError(
-        f"s3:// checkpoints need estimax's Orbax patch (estimax/orbax_s3.py), which does not fit the installed "
+        f"s3:// checkpoints need estimax's Orbax patch (estimax/storage/orbax_s3.py), which does not fit the installed "
         f"orbax-checkpoint {version}: {what}. Expected orbax-checkpoint{KNOWN_ORBAX}. Fix: "
         f"pip install 'orbax-checkpoint{KNOWN_ORBAX}' (or 'estimax[s3]'), or use a local path or gs://."
     )

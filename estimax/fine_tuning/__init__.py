@@ -17,7 +17,7 @@ from estimax.errors import ConfigError, ConfigTypeError
 
 @dataclasses.dataclass(frozen=True)
 class LoRA:
-    """Low-rank adapters (LoRA) on linear layers: only the adapters train (``estimax/lora.py``).
+    """Low-rank adapters (LoRA) on linear layers: only the adapters train (``estimax/fine_tuning/lora.py``).
 
     Each ``flax.nnx.Linear`` whose module path fully matches a regex of ``layers``
     (``blocks/0/attn/query``) gets ``lora_a`` (in x rank) and ``lora_b`` (rank x out,

@@ -103,16 +103,6 @@ def abstract_batch(batch, global_batch_size: int):
     )
 
 
-def devices(num_devices: int | None) -> list:
-    devices = jax.devices()
-    if num_devices is not None and num_devices > len(devices):
-        raise ConfigError(
-            f"RunConfig(num_devices={num_devices}) exceeds the {len(devices)} devices available; "
-            f"expected at most {len(devices)}."
-        )
-    return devices[:num_devices]
-
-
 def check_model_fn(model_fn) -> None:
     if not callable(model_fn):
         raise ConfigTypeError(

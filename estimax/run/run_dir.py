@@ -38,10 +38,10 @@ import uuid
 import jax
 
 from estimax import errors, storage
-from estimax.checkpoint import CHECKPOINTS, Checkpointer
 from estimax.config import CheckpointPolicy
 from estimax.errors import ConfigError, ModelDirLockedError, ModelDirNotWritableError, StorageError
-from estimax.lease import lock_for
+from estimax.run.checkpoint import CHECKPOINTS, Checkpointer
+from estimax.run.lease import lock_for
 
 logger = logging.getLogger("estimax")
 
@@ -110,8 +110,8 @@ class RunDir:
         """``metrics.jsonl`` and, with ``tensorboard``, the event files: each on a thread of its own.
         ``continuing_from``: the step training starts from; the records a dead run left past it are
         dropped (``writers.py``), so that the records read as one history."""
-        from estimax.writer_thread import InBackground
-        from estimax.writers import JsonlWriter, TensorBoardWriter
+        from estimax.records.writer_thread import InBackground
+        from estimax.records.writers import JsonlWriter, TensorBoardWriter
 
         # Nothing is written once the lock is lost, and an upload to a store first proves it is held.
         writable, fence = self.lock.writable, self.lock.prove

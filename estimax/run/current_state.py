@@ -14,9 +14,9 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 
-from estimax import checkpoint as checkpoint_lib
-from estimax import run_setup
 from estimax.errors import EstimaxError
+from estimax.run import checkpoint as checkpoint_lib
+from estimax.run import run_setup
 from estimax.state import has_deleted_arrays
 
 

@@ -7,7 +7,7 @@ of the model_dir's lock, the input position, and the checkpoint with its meta; t
 best checkpoint of an evaluation, and what training asks about committed steps. Does
 not own how a checkpoint is written, committed or pruned (``checkpoint.py``), when the
 clock says a save is due (``save_schedule.py``), nor the guarantee that a mistake found
-at a loop boundary still saves the checkpoint due there (``training.py``).
+at a loop boundary still saves the checkpoint due there (``host_loop.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import logging
 import time
 
 from estimax.errors import ConfigError, LeaseLostError, StoreUnavailableError, one_line
-from estimax.lock import resume
+from estimax.run.lock import resume
 
 logger = logging.getLogger("estimax")
 
@@ -29,7 +29,7 @@ class Saves:
       sync: the group's ``Sync`` (free with one process).
       records: the call's ``MetricLogger``: its records up to a step are made durable
         before that step's checkpoint starts.
-      plan: the input ``Plan``: what a checkpoint keeps of an input position.
+      plan: the ``InputPlan``: what a checkpoint keeps of an input position.
       best: ``(checkpointer, metric)`` of ``train_and_evaluate``'s best checkpoint, or ``None``.
     """
 

@@ -24,7 +24,7 @@ import time
 
 from estimax import storage
 from estimax.errors import LeaseLostError, ModelDirLockedError
-from estimax.lock import is_stale, process_start
+from estimax.run.lock import is_stale, process_start
 
 HOLDS = "holds"  # a model_dir's folder of holds
 
@@ -41,7 +41,7 @@ class _Object:
         self.path = path
         self._store = None
         if storage.is_url(path):
-            from estimax.conditional import open_object
+            from estimax.storage.conditional import open_object
 
             self._store = open_object(path)
 
@@ -64,7 +64,7 @@ class _Object:
     def replace(self, data: bytes, version: str) -> str | None:
         """The new version, or ``None`` when the object is no longer ``version``."""
         if self._store is not None:
-            from estimax.conditional import Changed
+            from estimax.storage.conditional import Changed
 
             try:
                 timeout = storage.deadline_seconds()

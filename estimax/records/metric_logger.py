@@ -12,10 +12,10 @@ import logging
 
 import numpy as np
 
-from estimax import flops as flops_lib
 from estimax import metrics as metrics_lib
 from estimax.hooks import EvalRecord, Hook, LoopRecord, RunInfo, Summary
-from estimax.writers import Writer
+from estimax.records import flops as flops_lib
+from estimax.records.writers import Writer
 
 logger = logging.getLogger("estimax")
 

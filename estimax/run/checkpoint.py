@@ -35,12 +35,15 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from estimax import averaging, noise, orbax_s3, pruning, storage
+from estimax import storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
-from estimax.fenced_commit import temporary_path_class
-from estimax.save_schedule import SaveSchedule
-from estimax.storage import unanswered
+from estimax.fine_tuning import averaging
+from estimax.records import noise
+from estimax.run import pruning
+from estimax.run.fenced_commit import temporary_path_class
+from estimax.run.save_schedule import SaveSchedule
+from estimax.storage import orbax_s3, unanswered
 
 logger = logging.getLogger("estimax")
 CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)

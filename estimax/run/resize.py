@@ -2,7 +2,7 @@
 
 Owns telling a resize apart (the shape a checkpoint's run record holds against
 this run's), refusing, before the first step, an input that cannot continue
-exactly in the new shape (the input ``Plan`` knows which), and the one line and
+exactly in the new shape (the ``InputPlan`` knows which), and the one line and
 ``resize`` record that say what changed and what it cost. Does not own
 resharding the state (a restore places it in this run's layout), nor where the
 record goes (the writers), nor restarting a group (a supervisor).

@@ -1,12 +1,12 @@
-"""Trainer: each ``train`` / ``train_and_evaluate`` call of an Estimator, wired around its host loop.
+"""TrainCall: each ``train`` / ``train_and_evaluate`` call of an Estimator, wired around its host loop.
 
-Owns what a call sets up and takes down around the ``TrainingLoop`` (``training.py``): the
+Owns what a call sets up and takes down around the ``HostLoop`` (``host_loop.py``): the
 run directory held for writing, the steps to train, the refusal of an input that cannot
 continue (before any writer opens), the device loop's runner (built at the first call, kept
 for the next ones), the writers and built-in hooks (``call_writers.py``), the profiler, the
 evaluations of ``train_and_evaluate`` with their best checkpoint and early stopping, and what
 is closed when training fails. Does not own the order of events between loops
-(``training.py``), which state is current (``current_state.py``), nor batch sizes and input
+(``host_loop.py``), which state is current (``current_state.py``), nor batch sizes and input
 positions (``data/plan.py``).
 """
 
@@ -17,34 +17,36 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from estimax import counting, eval_sets, resize, run_computation, validation
+from estimax import counting, eval_sets
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.call_writers import CallWriters
+from estimax.checks import validation
 from estimax.config import Best
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
 from estimax.hooks import EarlyStopping, Hook, RunInfo
-from estimax.loop import TrainRunner
-from estimax.profiling import Profiler
-from estimax.saves import Saves
+from estimax.host_loop import Evaluation, HostLoop
+from estimax.loop import DeviceLoop
+from estimax.records.call_writers import CallWriters
+from estimax.records.profiling import Profiler
+from estimax.records.summaries import Summaries
+from estimax.run import resize, run_computation
+from estimax.run.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
-from estimax.summaries import Summaries
-from estimax.training import Evaluation, TrainingLoop
 
 logger = logging.getLogger("estimax")
 
 
-class Trainer:
+class TrainCall:
     """Trains one Estimator's current state.
 
     Args:
       config: the ``RunConfig``.
       core, layout, abstract_state: the model's pure functions, where its arrays live, and the
         state's shapes (for the names of its parameters).
-      plan: the input ``Plan``; run_dir: the ``RunDir`` (or ``NoRunDir``); current: the ``CurrentState``.
+      plan: the ``InputPlan``; run_dir: the ``RunDir`` (or ``NoRunDir``); current: the ``CurrentState``.
       sync: the group's ``Sync``; writers: the Estimator's ``CallWriters``.
       shape: the processes, devices and mesh this run trains on (``resize.shape``).
     """
@@ -54,7 +56,7 @@ class Trainer:
         self.run_dir, self.current, self.sync, self.shape = run_dir, current, sync, shape
         self.writers: CallWriters = writers
         self.param_names = leaf_names(abstract_state.params)
-        self.runner: TrainRunner | None = None  # compiled at the first call, kept for the next ones
+        self.runner: DeviceLoop | None = None  # compiled at the first call, kept for the next ones
 
     def hooks(self, hooks: Sequence[Hook], best: Best | None = None, best_set: str | None = None) -> list[Hook]:
         """The user's hooks, checked, then early stopping where ``best`` has a patience (watching the
@@ -84,7 +86,7 @@ class Trainer:
 
     def train(
         self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None = None, computation=None
-    ) -> TrainingLoop | None:
+    ) -> HostLoop | None:
         """Trains over ``input`` for ``lengths`` (``(max_steps, steps, epochs)``, one of them set);
         returns the loop that ran, or ``None`` when the state is already at the target step. ``hooks``:
         as ``hooks()`` gave them; ``computation()``: the training step's fingerprint, which the run records."""
@@ -126,7 +128,7 @@ class Trainer:
         best = (evaluation.best, evaluation.best_metric) if evaluation is not None and evaluation.best else None
         saves = Saves(self.run_dir, self.sync, metric_logger, self.plan, best)
         profiler = Profiler(self.config.profile_steps, self.run_dir.profile_dir, start, target)
-        loop = TrainingLoop(
+        loop = HostLoop(
             runner, saves, [metric_logger, *self.writers.progress_bar(), *hooks], self.param_names,
             skip_nonfinite=self.config.skip_nonfinite, profiler=profiler, sync=self.sync,
         )  # fmt: skip
@@ -145,10 +147,10 @@ class Trainer:
             logger.info("%s", cost)
         return loop
 
-    def _runner(self, start: int) -> TrainRunner:
+    def _runner(self, start: int) -> DeviceLoop:
         """The device loop's runner, built once; a restored checkpoint's loop mode carries on."""
         if self.runner is None:
-            self.runner = TrainRunner(self.core, self.layout, self.config.loop, self.config.steps_per_loop)
+            self.runner = DeviceLoop(self.core, self.layout, self.config.loop, self.config.steps_per_loop)
         if self.current.loop is not None:
             self.runner.resume(self.current.loop, start)
         return self.runner

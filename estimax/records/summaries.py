@@ -25,7 +25,7 @@ import numpy as np
 
 from estimax import events
 from estimax.errors import InputError
-from estimax.events import _length_delimited, _varint
+from estimax.records.events import _length_delimited, _varint
 
 # Field keys: (field number << 3) | wire type (0 varint, 1 64-bit, 2 length-delimited, 5 32-bit).
 _VALUE, _TAG, _SIMPLE_VALUE = b"\x0a", b"\x0a", b"\x15"  # Summary.value; Summary.Value's tag, simple_value

@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable
 
 from estimax import storage
-from estimax.conditional import Changed, open_object
 from estimax.errors import (
     STORE_FAILURE_EXIT_CODE,
     LeaseLostError,
@@ -53,7 +52,7 @@ from estimax.errors import (
     StoreUnavailableError,
     one_line,
 )
-from estimax.lock import (
+from estimax.run.lock import (
     LOCK_FILE,
     RUN_ID,
     Lock,
@@ -66,6 +65,7 @@ from estimax.lock import (
     taken_over,
 )
 from estimax.storage import DEADLINE_SECONDS, seconds_from_environment, unanswered
+from estimax.storage.conditional import Changed, open_object
 
 logger = logging.getLogger("estimax")
 

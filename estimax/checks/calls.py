@@ -2,7 +2,7 @@
 asked for by step that exists.
 
 Owns those checks and their messages. Does not own what the calls do (the
-Estimator, ``trainer.py``, ``evaluator.py``), batch sizes (``data/plan.py``)
+Estimator, ``train_call.py``, ``evaluator.py``), batch sizes (``data/plan.py``)
 nor the checks of a model's outputs before the first step (``validation.py``).
 """
 

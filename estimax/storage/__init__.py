@@ -34,8 +34,8 @@ import threading
 import time
 import uuid
 
-from estimax import noise
 from estimax.errors import ConfigError, StorageError, StoreUnavailableError, one_line
+from estimax.records import noise
 
 logger = logging.getLogger("estimax")
 

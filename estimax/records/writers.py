@@ -21,8 +21,9 @@ from typing import Protocol
 
 import numpy as np
 
-from estimax import eval_sets, events, storage
+from estimax import eval_sets, storage
 from estimax.errors import LeaseLostError
+from estimax.records import events
 
 logger = logging.getLogger("estimax")
 
@@ -123,7 +124,7 @@ class VersionedObject:
     model_dir another process took over and wrote meanwhile, cannot overwrite what that process wrote."""
 
     def __init__(self, path: str):
-        from estimax.conditional import open_object
+        from estimax.storage.conditional import open_object
 
         self.path = path
         self._object = open_object(path)
@@ -135,7 +136,7 @@ class VersionedObject:
         return found[0] if found else b""
 
     def write(self, data: bytes) -> None:
-        from estimax.conditional import Changed
+        from estimax.storage.conditional import Changed
 
         timeout = storage.deadline_seconds()
         try:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
-from estimax.tfrecord_framing import frame, frames
+from estimax.records.tfrecord_framing import frame, frames
 
 # Field keys of tensorflow.Event and tensorflow.Summary(.Value): (field number << 3) | wire type.
 _WALL_TIME, _STEP, _FILE_VERSION, _SUMMARY, _SESSION_LOG = b"\x09", b"\x10", b"\x1a", b"\x2a", b"\x3a"

@@ -16,8 +16,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from estimax import holds, storage
+from estimax import storage
 from estimax.config import CheckpointPolicy
+from estimax.run import holds
 
 
 def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[], None]) -> None:
