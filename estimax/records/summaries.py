@@ -23,8 +23,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from estimax import events
 from estimax.errors import InputError
+from estimax.records import events
 from estimax.records.events import _length_delimited, _varint
 
 # Field keys: (field number << 3) | wire type (0 varint, 1 64-bit, 2 length-delimited, 5 32-bit).
