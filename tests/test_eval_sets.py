@@ -129,10 +129,11 @@ def test_one_named_set_evaluated_on_a_given_state_and_recorded_under_its_name(mo
 
 
 def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(model_dir, estimax_log):
-    sets = {"val": ex.data.from_arrays(*VAL), "test": ex.data.from_arrays(*TEST)}
     from PIL import Image
+    from tensorboard.plugins.custom_scalar import layout_pb2
     from tensorboard.plugins.hparams import plugin_data_pb2
 
+    sets = {"val": ex.data.from_arrays(*VAL), "test": ex.data.from_arrays(*TEST)}
     est = make_estimator(model_dir, tensorboard=True, steps_per_loop=2, log_every_steps=2)
     final = est.train_and_evaluate(
         ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4, hooks=[SetPicture()]
@@ -174,6 +175,14 @@ def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(m
     assert (hparams["classes"].number_value, hparams["train_batch_size"].number_value) == (C, 16)
     assert not [r for r in records if r["split"] == "eval"]  # no unnamed set: nothing under plain "eval"
     assert not [tag for tag in tags["scalars"] if tag.startswith("eval/")]
+    # The CUSTOM SCALARS tab: per metric evaluated, one chart of it in every split (its tags by regex).
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    (category,) = layout.category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert sorted(charts) == ["accuracy", "loss"]
+    for metric, (pattern,) in charts.items():
+        matched = sorted(tag for tag in tags["scalars"] if re.search(pattern, tag))
+        assert matched == [f"eval_test/{metric}", f"eval_val/{metric}", f"train/{metric}"]
     summary = [r for r in records if r["split"] == "summary"][-1]
     assert summary["val/accuracy"] == final["val"]["accuracy"] and summary["test/num_examples"] == 37
     lines = [r.getMessage() for r in estimax_log.records]

@@ -17,9 +17,10 @@ here by hand like ``events.py``'s scalars); does not own the files
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -122,6 +123,27 @@ def hparams_value(hparams: Mapping[str, object]) -> bytes:
     tag = _length_delimited(_TAG, b"_hparams_/session_start_info")
     tensor = _length_delimited(_TENSOR, _NULL_TENSOR)
     return _length_delimited(_VALUE, tag + _length_delimited(_METADATA, plugin) + tensor)
+
+
+OVERLAY_TAG = "custom_scalars__config__"  # the tag TensorBoard's CUSTOM SCALARS tab reads its layout from
+_SPLITS_OF_A_METRIC = r"^(train|eval|eval_[^/]+)/{}$"  # a chart's tags: one metric in every split
+
+
+def overlay_value(metrics: Iterable[str]) -> bytes:
+    """TensorBoard's CUSTOM SCALARS tab's layout: a category "train and eval" with, per metric, one chart
+    of it in every split (``train/loss``, ``eval/loss``, ``eval_val/loss`` as lines on one chart). A
+    ``Layout`` (``plugins/custom_scalar/layout.proto``) as a string tensor, the form that tab reads."""
+    charts = b""
+    for metric in sorted(metrics):
+        lines = _length_delimited(b"\x0a", _SPLITS_OF_A_METRIC.format(re.escape(metric)).encode())  # .tag
+        chart = _length_delimited(b"\x0a", metric.encode()) + _length_delimited(b"\x12", lines)  # title, multiline
+        charts += _length_delimited(b"\x12", chart)  # Category.chart
+    layout = _length_delimited(b"\x12", _length_delimited(b"\x0a", b"train and eval") + charts)  # Layout.category
+    plugin = _length_delimited(b"\x0a", _length_delimited(b"\x0a", b"custom_scalars"))
+    metadata = plugin + b"\x20\x02"  # data_class: DATA_CLASS_TENSOR
+    tensor = _DT_STRING + _SCALAR_SHAPE + _length_delimited(b"\x42", layout)
+    body = _length_delimited(_TAG, OVERLAY_TAG.encode()) + _length_delimited(_METADATA, metadata)
+    return _length_delimited(_VALUE, body + _length_delimited(_TENSOR, tensor))
 
 
 def _value(tag: str, key: bytes, message: bytes) -> bytes:

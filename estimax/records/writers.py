@@ -24,6 +24,7 @@ import numpy as np
 from estimax import eval_sets, storage
 from estimax.errors import LeaseLostError
 from estimax.records import events
+from estimax.records.summaries import overlay_value
 
 logger = logging.getLogger("estimax")
 
@@ -183,7 +184,8 @@ def records_up_to(text: str, step: int) -> str:
 class TensorBoardWriter:
     """Scalars of every split in one TensorBoard run, the event files directly in ``logdir``: tags
     ``train/loss``, ``eval/accuracy``, ``eval_<set>/...`` (``events.tag``), which TensorBoard groups
-    by split; the hparams and the summaries of a hook go into the same run.
+    by split; the hparams and the summaries of a hook go into the same run, and a CUSTOM SCALARS
+    layout that overlays each evaluated metric's splits on one chart (``summaries.overlay_value``).
 
     ``every_step``: the training report sends every step's scalar outputs in one
     ``write_steps`` call per loop, not one window mean per log line. Events are
@@ -217,11 +219,22 @@ class TensorBoardWriter:
         self._file: str | None = None  # on disk: the event file this writer appends to
         self._flushed = time.monotonic()
         self._start = None if continuing_from is None else events.session_start(continuing_from + 1)
+        self._overlaid: set[str] = set()  # the metrics the CUSTOM SCALARS layout written last has charts of
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
         tagged = {events.tag(split, name): value for name, value in values.items()}
         self._pending.append(self._encoder.event(step, tagged, time.time()))
+        if split == "eval" or eval_sets.set_of(split) is not None:
+            self._overlay(values.keys())
         self._flush_if_due(split)
+
+    def _overlay(self, metrics) -> None:
+        """The CUSTOM SCALARS tab's charts, one per metric evaluated, of it in every split; written again
+        (at step 0, where TensorBoard keeps the latest) when an evaluation brings a metric it lacked."""
+        new = set(metrics) - self._overlaid - {"num_examples"}
+        if new:
+            self._overlaid |= new
+            self._pending.append(events.summary_event(0, overlay_value(self._overlaid)))
 
     def write_summary(self, split: str, step: int, values: bytes) -> None:
         """Encoded ``Summary.Value`` messages (images, histograms, text: ``summaries.py``, which names
