@@ -144,7 +144,7 @@ class Follower:
     Args:
       run_dir: the run's ``RunDir``.
       work: what is done with each step (``Work``).
-      name: the evaluation set: its records file, TensorBoard run and hold are named after it.
+      name: the evaluation set: its records file, TensorBoard tags and hold are named after it.
       policy: a ``FollowPolicy``.
       sync: the group's ``Sync``: process 0's decision of each step on every process.
     """
