@@ -4,7 +4,7 @@ Owns the wiring of an Estimator's parts, each built from the ones before it:
 the mesh, the model's pure functions (``step.Core``) and the state's abstract
 shapes, where every array lives (``layout.py``), the run directory, the
 current state, the input plan, the checks of each mode, the evaluator, the
-writers and the trainer. Each part makes its own decisions; the one made here
+writers, the evaluations and the trainer. Each part makes its own decisions; the one made here
 is how the initial state is compiled (``_initialise``). The verbs that use the parts are ``estimator.py``'s.
 """
 
@@ -24,6 +24,7 @@ from estimax import mesh as mesh_lib
 from estimax.checks import validation
 from estimax.data.plan import InputPlan
 from estimax.distributed import Sync
+from estimax.evaluations import Evaluations
 from estimax.evaluator import Evaluator
 from estimax.fine_tuning import averaging, freezing, lora
 from estimax.models import resolve as resolve_model
@@ -33,8 +34,8 @@ from estimax.run import checkpoint as checkpoint_lib
 from estimax.run import resize, run_setup
 from estimax.run.current_state import CurrentState
 from estimax.run.run_dir import open_run_dir
-from estimax.step import Core
-from estimax.train_call import TrainCall
+from estimax.step import Core, StepOptions
+from estimax.train_call import ModelOnMesh, TrainCall
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Parts:
     plan: InputPlan
     checks: validation.ModeChecks
     evaluator: Evaluator
+    evaluations: Evaluations
     writers: CallWriters
     train_call: TrainCall
     state_shapes: Callable  # () -> the TrainState as ShapeDtypeStructs with their shardings: nothing allocated
@@ -56,9 +58,9 @@ class Parts:
     merged: Callable | None = None  # under LoRA: state -> (the base model's Core, state with adapters merged)
 
 
-def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Parts:
-    """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start)``; the
-    arguments are checked already."""
+def assemble(model, model_fn, optimizer, config, params: dict, warm_start, host_metrics) -> Parts:
+    """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start, host_metrics)``;
+    the arguments are checked already."""
     compile_cache.enable(config.compilation_cache)
     mesh = mesh_lib.make_mesh(mesh_lib.devices(config.num_devices), config.mesh)
     with jax.set_mesh(mesh):  # modules that declare shardings (nnx.with_partitioning) need a mesh to trace
@@ -78,10 +80,12 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
             params,
             config.seed,
             config.compute_dtype,
-            config.grad_accum_steps,
-            measure_every_step=config.skip_nonfinite,  # every skipped update is counted
-            last_step_apart=mesh.devices.flat[0].platform == "gpu",  # no conditional in XLA:GPU's loops
-            average=averaging.of(config),
+            StepOptions(
+                config.grad_accum_steps,
+                measure_every_step=config.skip_nonfinite,  # every skipped update is counted
+                last_step_apart=mesh.devices.flat[0].platform == "gpu",  # no conditional in XLA:GPU's loops
+                average=averaging.of(config),
+            ),
         )
         abstract_state = jax.eval_shape(core.init_state)  # shapes only: traced once
     layout = layout_lib.build(mesh, abstract_state, optimizer, config.sharding_rules, config.fsdp_min_bytes)
@@ -93,6 +97,8 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
     plan = InputPlan(config, layout, sync)
     accumulation.warn_if_multisteps(abstract_state.opt_state)
     writers = CallWriters(config, run_dir, params, mesh.size)
+    evaluator = Evaluator(core, layout, plan, config.quiet)
+    checks = validation.ModeChecks(core, abstract_state, plan)
     parts = Parts(
         mesh=mesh,
         core=core,
@@ -100,12 +106,11 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start) -> Pa
         run_dir=run_dir,
         current=current,
         plan=plan,
-        checks=validation.ModeChecks(core, abstract_state, plan),
-        evaluator=Evaluator(core, layout, plan, config.quiet),
+        checks=checks,
+        evaluator=evaluator,
+        evaluations=Evaluations(evaluator, config, writers, host_metrics, checks, run_dir, current),
         writers=writers,
-        train_call=TrainCall(
-            config, core, layout, abstract_state, plan, run_dir, current, sync, writers, setup["shape"]
-        ),
+        train_call=TrainCall(config, ModelOnMesh(core, layout), plan, run_dir, current, sync, writers),
         state_shapes=shapes,
         trainable=trainable,
         merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,

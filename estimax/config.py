@@ -1,206 +1,41 @@
-"""RunConfig, CheckpointPolicy and Best: where a run writes, how big its
-batches are, how it loops, when it saves, and which evaluation is the best.
+"""RunConfig: where a run writes, how big its batches are, how it loops and what it keeps.
 
-Validated, immutable dataclasses. They own settings and the checks of each
-setting on its own (names, ranges, the form of mesh axes and sharding rules);
-nothing here touches devices or files, and nothing imports JAX: a check that
-needs the devices (a batch that splits over them) is ``data/plan.py``'s, made
-when a call starts.
+A validated, immutable dataclass. It owns the run's settings and the check of each setting
+(names, ranges, the form of mesh axes and sharding rules); nothing here touches devices or
+files, and nothing imports JAX: a check that needs the devices (a batch that splits over them)
+is ``data/plan.py``'s, made when a call starts. The checks of one value are
+``checks/values.py``'s; ``CheckpointPolicy`` and ``Best`` are ``policies.py``'s (named here
+too, where they have always been imported from).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import numbers
-import operator
 import os
 import re
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 
-from estimax import counting, eval_sets
+from estimax import counting
+from estimax.checks import values
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.fine_tuning import LoRA, check_freeze
+from estimax.policies import DEFAULT_CHECKPOINT_POLICY, Best, CheckpointPolicy
 from estimax.records.tracker_kinds import resolve as resolve_trackers
+
+__all__ = ["Best", "CheckpointPolicy", "RunConfig"]
 
 LOOP_KINDS = ("auto", "scan", "step")
 """The device loops ``RunConfig(loop=...)`` and ``--loop`` take."""
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 """The dtypes ``RunConfig(compute_dtype=...)`` may run the model in (``precision.py``)."""
 DEFAULT_FSDP_MIN_BYTES = 1 << 12  # 4 KiB: smaller leaves (LayerNorm scales, small biases) stay whole on every device
-DIRECTIONS = ("max", "min")
 EMA_WARMUPS = ("ramp", "debias", "none")
 """The warm-ups of the parameter average ``RunConfig(ema_warmup=...)`` takes (``averaging.py``)."""
 EVAL_WEIGHTS = ("average", "raw")
 """The weights ``RunConfig(eval_weights=...)`` may choose for evaluation, prediction and export."""
-# Metric names whose better direction goes without saying (as in Keras' "auto" mode, stricter).
-_LOWER_IS_BETTER = ("loss", "error", "mse", "mae", "perplexity")
-_HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "r2")
 _UNSET = object()
-
-
-def _integer(owner: str, name: str, value) -> int:
-    """``value`` as a plain ``int`` (numpy's integers too); a ``ConfigTypeError`` for another type."""
-    if not isinstance(value, bool):
-        with contextlib.suppress(TypeError):
-            return operator.index(value)
-    raise ConfigTypeError(
-        f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected an integer. Fix: pass {name}=<int>."
-    )
-
-
-def _check_positive(owner: str, name: str, value) -> int:
-    """``value`` as a plain ``int``: a ``ConfigTypeError`` for another type, a ``ConfigError`` below 1."""
-    value = _integer(owner, name, value)
-    if value < 1:
-        raise ConfigError(f"{owner}({name}={value!r}) must be a positive integer; expected 1 or more.")
-    return value
-
-
-def _check_number(owner: str, name: str, value, minimum: float = 0.0) -> float:
-    """``value`` as a ``float`` above ``minimum`` (numpy's numbers too)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigTypeError(f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected a number.")
-    if not value > minimum or value != value:  # NaN compares false
-        raise ConfigError(f"{owner}({name}={value!r}) must be a number above {minimum:g}.")
-    return float(value)
-
-
-def _check_flag(owner: str, name: str, value) -> bool:
-    """``value`` as a ``bool`` (numpy's too); ``"yes"`` or ``1`` are not read as one."""
-    if type(value).__name__ not in ("bool", "bool_"):
-        raise ConfigTypeError(f"{owner}({name}={value!r}) is of type {type(value).__name__}; expected True or False.")
-    return bool(value)
-
-
-def _set(config, name: str, value) -> None:
-    object.__setattr__(config, name, value)  # the checked form of a frozen dataclass's field
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointPolicy:
-    """When training saves checkpoints and which ones are kept.
-
-    Saves happen at loop boundaries: when a multiple of ``every_steps`` was
-    crossed, when ``every_seconds`` have passed since the last save, at the end
-    of training and on preemption (SIGTERM/SIGINT).
-
-    Attributes:
-      every_steps: save when a multiple is crossed; ``None``: not by steps.
-      every_seconds: save when this long has passed since the last save.
-      keep: how many of the most recent checkpoints are kept.
-      keep_every_hours: also keep one checkpoint per this many hours, forever.
-      async_save: write in the background; training waits only while the
-        state is copied off the devices.
-      at_end: save when a ``train`` call ends, and return once that save is
-        committed. ``False``: a call ends without it (a preemption still
-        saves), for many short calls in one process, each of which would
-        pay the save (0.05-0.2 s for a small state): what it trained since
-        the last save lives only in memory until the next save.
-      max_overhead: the largest fraction of training time saves due by
-        ``every_steps`` may take: such a save is put off (with one log line)
-        while the last save, from its start to its commit, took more than this
-        fraction of the time since it started (``save_schedule.py``). ``None``:
-        every multiple is saved. ``RunConfig``'s default policy has ``0.02``.
-    """
-
-    every_steps: int | None = 1000
-    every_seconds: float | None = None
-    keep: int = 3
-    keep_every_hours: float | None = None
-    async_save: bool = True
-    max_overhead: float | None = None
-    at_end: bool = True
-
-    def __post_init__(self):
-        _set(self, "keep", _check_positive("CheckpointPolicy", "keep", self.keep))
-        if self.every_steps is not None:
-            _set(self, "every_steps", _check_positive("CheckpointPolicy", "every_steps", self.every_steps))
-        for name in ("every_seconds", "keep_every_hours"):
-            if getattr(self, name) is not None:
-                _set(self, name, _check_number("CheckpointPolicy", name, getattr(self, name)))
-        for name in ("async_save", "at_end"):
-            _set(self, name, _check_flag("CheckpointPolicy", name, getattr(self, name)))
-        if self.max_overhead is not None and not (
-            _check_number("CheckpointPolicy", "max_overhead", self.max_overhead) < 1
-        ):
-            raise ConfigError(
-                f"CheckpointPolicy(max_overhead={self.max_overhead!r}) is not a fraction of the training time; "
-                "expected a number between 0 and 1, e.g. 0.02, or None. Fix: max_overhead=0.02 (saves take at most "
-                "2% of the time), or None (every multiple of every_steps is saved)."
-            )
-
-
-DEFAULT_CHECKPOINT_POLICY = CheckpointPolicy(max_overhead=0.02)
-"""``RunConfig``'s policy when none is given: a save every 1,000 steps, put off while saves would
-take more than 2% of the time (a model that runs 1,000 steps in a fraction of a second)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Best:
-    """Which evaluation of ``train_and_evaluate`` is the best, whether its checkpoint is
-    kept, and when training gives up on improving.
-
-    Attributes:
-      metric: the evaluation metric that decides: ``"loss"`` or a name of
-        ``Spec(metrics=...)``.
-      direction: ``"max"`` or ``"min"``: whether a higher or a lower value is
-        better. ``None``: ``"min"`` for names with loss, error, mse, mae or
-        perplexity in them, ``"max"`` for acc(uracy), auc, precision, recall, f1
-        or r2; any other name must say.
-      keep_checkpoint: keep the best state in ``<model_dir>/best`` (one checkpoint).
-      patience: stop training when the metric has not improved for this many
-        evaluations; ``None``: never stop early.
-      min_delta: a change smaller than this is not an improvement (for ``patience``).
-      set: the evaluation set whose ``metric`` decides, where ``eval_input`` is a mapping of
-        named sets (keyword only); ``None``: the only set (several sets must name one).
-
-    ``mode=`` still works for one release (a ``DeprecationWarning``): it is ``direction=``.
-    """
-
-    metric: str = "loss"
-    direction: str | None = None
-    keep_checkpoint: bool = True
-    patience: int | None = None
-    min_delta: float = 0.0
-    _: dataclasses.KW_ONLY
-    set: str | None = None
-    mode: dataclasses.InitVar[str | None] = None  # the name of ``direction`` in train_and_evaluate(mode=...)
-
-    def __post_init__(self, mode: str | None):
-        if mode is not None:
-            if self.direction is not None:
-                raise ConfigError(
-                    f"Best(direction={self.direction!r}, mode={mode!r}); expected one of them. Fix: keep direction=."
-                )
-            warnings.warn(
-                f"Best(mode={mode!r}) is deprecated; pass Best(direction={mode!r}).", DeprecationWarning, stacklevel=3
-            )
-            object.__setattr__(self, "direction", mode)
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ConfigError(f"Best(metric={self.metric!r}); expected the name of an evaluation metric.")
-        if self.direction is None:
-            object.__setattr__(self, "direction", _direction_of(self.metric))
-        if self.direction not in DIRECTIONS:
-            raise ConfigError(f"Best(direction={self.direction!r}); expected 'max' or 'min'.")
-        if self.patience is not None:
-            _check_positive("Best", "patience", self.patience)
-        if self.set is not None:
-            eval_sets.check_name(self.set, "Best(set=...)")
-
-
-def _direction_of(metric: str) -> str:
-    name = metric.lower()
-    if any(word in name for word in _LOWER_IS_BETTER):
-        return "min"
-    if any(word in name for word in _HIGHER_IS_BETTER):
-        return "max"
-    raise ConfigError(
-        f"Best(metric={metric!r}) does not say whether higher or lower is better; expected "
-        f"direction='max' or 'min'. Fix: Best({metric!r}, direction='max') (or 'min')."
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,7 +169,7 @@ class RunConfig:
         if shorthands:
             object.__setattr__(self, "checkpoint", dataclasses.replace(self.checkpoint, **shorthands))
         for name in ("train_batch_size", "steps_per_loop", "log_every_steps", "grad_accum_steps"):
-            _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
+            values.set_checked(self, name, values.positive("RunConfig", name, getattr(self, name)))
         if self.train_batch_size % self.grad_accum_steps:  # over the devices too: InputPlan.check, when training starts
             raise ConfigError(
                 f"RunConfig(train_batch_size={self.train_batch_size}) does not split into "
@@ -342,12 +177,12 @@ class RunConfig:
                 f"{self.grad_accum_steps}. Fix: use train_batch_size "
                 f"{counting.nearest_multiples(self.train_batch_size, self.grad_accum_steps)}."
             )
-        _set(
-            self, "sync_timeout_seconds", _check_number("RunConfig", "sync_timeout_seconds", self.sync_timeout_seconds)
+        values.set_checked(
+            self, "sync_timeout_seconds", values.number("RunConfig", "sync_timeout_seconds", self.sync_timeout_seconds)
         )
         for name in ("eval_batch_size", "predict_batch_size", "num_devices", "tokens_per_example"):
             if getattr(self, name) is not None:
-                _set(self, name, _check_positive("RunConfig", name, getattr(self, name)))
+                values.set_checked(self, name, values.positive("RunConfig", name, getattr(self, name)))
         if self.profile_steps is not None:
             start, stop = self.profile_steps
             if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop):
@@ -361,7 +196,7 @@ class RunConfig:
         self._check_average()
         object.__setattr__(self, "mesh", check_mesh_axes(self.mesh))
         object.__setattr__(self, "sharding_rules", check_rules(self.sharding_rules))
-        _set(self, "fsdp_min_bytes", _integer("RunConfig", "fsdp_min_bytes", self.fsdp_min_bytes))
+        values.set_checked(self, "fsdp_min_bytes", values.integer("RunConfig", "fsdp_min_bytes", self.fsdp_min_bytes))
         if self.fsdp_min_bytes < 0:
             raise ConfigError(f"RunConfig(fsdp_min_bytes={self.fsdp_min_bytes!r}) must be a non-negative integer.")
         object.__setattr__(self, "trackers", resolve_trackers(self.trackers))
@@ -390,19 +225,19 @@ class RunConfig:
                 "CheckpointPolicy. Fix: checkpoint=ex.CheckpointPolicy(every_steps=...), or save_every_steps=..."
             )
         for name in ("tensorboard", "quiet", "skip_nonfinite"):
-            _set(self, name, _check_flag("RunConfig", name, getattr(self, name)))
+            values.set_checked(self, name, values.flag("RunConfig", name, getattr(self, name)))
         for name in ("loop", "compute_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 kind = type(value).__name__
                 raise ConfigTypeError(f"RunConfig({name}={value!r}) is of type {kind}; expected a string.")
-        seed = _integer("RunConfig", "seed", self.seed)
+        seed = values.integer("RunConfig", "seed", self.seed)
         if not 0 <= seed < 2**63:
             raise ConfigError(
                 f"RunConfig(seed={seed}) is out of range; expected an integer from 0 to 2**63 - 1 (it seeds JAX's "
                 "keys and the input's shuffling). Fix: a seed in that range, e.g. seed=0."
             )
-        _set(self, "seed", seed)
+        values.set_checked(self, "seed", seed)
 
     def _check_average(self) -> None:
         """``ema_decay`` in (0, 1) or None, a known warm-up, and weights to evaluate that exist."""
@@ -416,7 +251,7 @@ class RunConfig:
                     f"RunConfig(ema_decay={self.ema_decay!r}) is outside (0, 1); expected the decay of the parameter "
                     "average, e.g. 0.999 (an average over about 1000 steps), or None to keep none."
                 )
-            _set(self, "ema_decay", decay)
+            values.set_checked(self, "ema_decay", decay)
         for name, allowed in (("ema_warmup", EMA_WARMUPS), ("eval_weights", EVAL_WEIGHTS)):
             value = getattr(self, name)
             if value not in allowed and not (name == "eval_weights" and value is None):
@@ -498,31 +333,3 @@ def _is_spec_entry(entry) -> bool:
     return (
         entry is None or isinstance(entry, str) or (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry))
     )
-
-
-def best_from(best: Best | None, deprecated: dict) -> Best | None:
-    """``best``, or the ``Best`` that ``train_and_evaluate``'s old ``best_metric``/``mode``/``patience``
-    arguments meant (deprecated: one release with a warning)."""
-    unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
-    if unknown:
-        raise ConfigTypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
-    if not deprecated:
-        return best
-    if best is not None:
-        raise ConfigError(
-            f"train_and_evaluate() received best= and {sorted(deprecated)}; expected one of them. "
-            "Fix: put everything in best=ex.Best(...)."
-        )
-    metric, mode, patience = deprecated.get("best_metric"), deprecated.get("mode", "max"), deprecated.get("patience")
-    replacement = (
-        Best(metric, mode, patience=patience)
-        if metric is not None
-        else Best("loss", "min", keep_checkpoint=False, patience=patience)
-    )
-    warnings.warn(
-        f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
-        f"pass best={replacement!r}.",
-        DeprecationWarning,
-        stacklevel=4,  # best_from, train_and_evaluate, its one-thread wrapper, the caller
-    )
-    return replacement if (metric is not None or patience is not None) else None

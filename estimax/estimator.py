@@ -2,9 +2,10 @@
 
 A table of verbs. Each checks its arguments and its input, then hands the
 work to the part that owns it: ``train_call.py`` (each training call),
-``evaluator.py`` (evaluation and prediction), ``current_state.py`` (which
-state), ``serving/export.py``. The parts are built once, in
-``assembly.py``; the Estimator decides nothing they decide.
+``evaluations.py`` (the evaluation sets on the state a verb reads),
+``evaluator.py`` (prediction), ``current_state.py`` (which state),
+``serving/export.py``. The parts are built once, in ``assembly.py``; the
+Estimator decides nothing they decide.
 """
 
 from __future__ import annotations
@@ -12,17 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, overload
 
-import jax
 import optax
 
-from estimax import assembly, eval_sets
-from estimax import config as config_lib
+from estimax import assembly, eval_sets, policies
 from estimax import follow as follow_lib
 from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
 from estimax.data.plan import InputPlan
-from estimax.errors import ConfigError, ConfigTypeError
-from estimax.fine_tuning import averaging
+from estimax.errors import ConfigError
 from estimax.fine_tuning import lora as lora_lib
 from estimax.fine_tuning.warm_start import WarmStart
 from estimax.fingerprint import Computation
@@ -31,12 +29,10 @@ from estimax.hooks import Hook
 from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
-from estimax.metrics import host_metrics as host_metrics_lib
-from estimax.run import run_computation
 from estimax.run.current_state import UntrainedWarning  # noqa: F401 (public here)
+from estimax.serving import adapter_export
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase
-from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.step import Core
 
 
@@ -68,20 +64,13 @@ class Estimator:
         warm_start: WarmStart | None = None,
         host_metrics: Callable | None = None,
     ):
-        validation.check_model_fn(model_fn)
-        host_metrics_lib.check(host_metrics)
-        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-            raise ConfigTypeError(
-                f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
-                "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`."
-            )
+        validation.check_arguments(model_fn, optimizer, host_metrics)
         self.config = config = config or RunConfig()
         self.params = dict(params or {})
-        parts = assembly.assemble(model, model_fn, optimizer, config, self.params, warm_start)
+        parts = assembly.assemble(model, model_fn, optimizer, config, self.params, warm_start, host_metrics)
         self.mesh, self.layout, self.run_dir = parts.mesh, parts.layout, parts.run_dir
         self._parts, self._current, self._plan, self._checks = parts, parts.current, parts.plan, parts.checks
-        self._evaluator, self._train_call = parts.evaluator, parts.train_call
-        self._host_metrics = host_metrics
+        self._evaluator, self._evaluations, self._train_call = parts.evaluator, parts.evaluations, parts.train_call
 
     # -- state ---------------------------------------------------------------
     @property
@@ -97,8 +86,7 @@ class Estimator:
 
     def _at(self, checkpoint: int | str | None, what: str):
         """The state a verb uses, its ``params`` the weights ``RunConfig.eval_weights`` chooses."""
-        calls.check_step(self.run_dir.checkpoints, checkpoint, what)
-        return averaging.chosen(self._current.at(checkpoint, what), averaging.evaluates_average(self.config))
+        return self._evaluations.state_at(checkpoint, what)
 
     def state_shapes(self):
         """The ``TrainState`` as ``ShapeDtypeStruct``s (with shardings), without allocating it."""
@@ -177,6 +165,7 @@ class Estimator:
     @overload
     def train_and_evaluate(self, train_input, eval_input, **options) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
+    @policies.takes_old_best_arguments
     def train_and_evaluate(
         self,
         train_input,
@@ -188,7 +177,6 @@ class Estimator:
         eval_every_epochs: int | None = None,
         best: Best | None = None,
         hooks: Sequence[Hook] = (),
-        **deprecated,
     ) -> dict[str, float] | dict[str, dict[str, float]]:
         """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation
         (``{name: results}`` for a mapping of sets).
@@ -211,47 +199,27 @@ class Estimator:
                 with ``patience`` training stops when it has not improved for that many
                 evaluations. With several sets, ``Best(set=...)`` names the one that decides.
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
-            **deprecated: ``best_metric=``, ``mode=`` and ``patience=`` still work for
-                one release (a ``DeprecationWarning``): they become ``best=Best(...)``.
+
+        ``best_metric=``, ``mode=`` and ``patience=`` still work for one release (a
+        ``DeprecationWarning``): they become ``best=Best(...)``.
         """
-        if (eval_every_steps is None) == (eval_every_epochs is None):
-            raise ConfigError(
-                "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
-                f"received {eval_every_steps=}, {eval_every_epochs=}."
-            )
-        best = config_lib.best_from(best, deprecated)
-        sets = eval_sets.named(eval_input)
-        best_set = eval_sets.deciding(best, sets)
-        every = eval_every_steps
-        if eval_every_epochs is not None:
-            every = eval_every_epochs * self._plan.steps_per_epoch(train_input)
-        hooks = self._train_call.hooks(hooks, best, best_set)  # with early stopping where best has a patience
-        validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
-        train_input = self._checks.train(train_input)
-        used = validation.metrics_used(hooks, best)
-        sets = {name: self._checks.evaluate(input, used) for name, input in sets.items()}
-        evaluation = self._train_call.evaluation(
-            lambda name, state, should_stop: self._evaluate_set(name, sets[name], state, should_stop=should_stop),
-            every,
-            best,
-            tuple(sets),
-            best_set,
+        every = (eval_every_steps, eval_every_epochs)
+        call = self._train_call.evaluated(
+            train_input, eval_input, every, best, hooks, self._checks, self._evaluations.one_set
         )
+        lengths = (max_steps, None, epochs)
         loop = self._train_call.train(
-            train_input, (max_steps, None, epochs), hooks, evaluation, computation=self._checks.computation
+            call.train_input, lengths, call.hooks, call.evaluation, computation=self._checks.computation
         )
         if loop is None:  # nothing left to train: the current state's evaluation
-            return self.evaluate(eval_sets.returned(sets))
+            return self.evaluate(eval_sets.returned(call.sets))
         return loop.last_metrics
 
     def check(self, mode: str, input):
         """Traces the model_fn abstractly in ``mode`` (``ex.TRAIN``, ``ex.EVAL``, ``ex.PREDICT``) on the
         first batch of ``input``, as that call does before its first step: nothing is compiled or run.
         Returns the input to use from now on (an iterator's first batch is put back)."""
-        checks = {TRAIN: self._checks.train, EVAL: self._checks.evaluate, PREDICT: self._checks.predict}
-        if mode not in checks:
-            raise ConfigError(f"Estimator.check(mode={mode!r}); expected ex.TRAIN, ex.EVAL or ex.PREDICT.")
-        return checks[mode](input)
+        return self._checks.of_mode(mode, input)
 
     def computation(self, input) -> Computation | None:
         """What this Estimator's training step computes on ``input``'s batches, traced abstractly
@@ -300,17 +268,7 @@ class Estimator:
             The results (``"<metric>/<field>"`` for metrics of several values) and
             ``num_examples``; for a mapping, ``{name: results}``.
         """
-        host_metrics_lib.check(host_metrics)
-        sets = eval_sets.named(input, "evaluate(input=...)")
-        sets = {name: self._checks.evaluate(one) for name, one in sets.items()}  # all checked before any runs
-        state = self._at(checkpoint, "evaluate")
-        step = int(jax.device_get(state.step))  # host sync: the step of the state evaluated
-        own = run_computation.own_evaluation(self.run_dir, step, checkpoint, self._checks.computation_on)
-        results = {
-            name: self._evaluate_set(name, one, state, steps=steps, host_metrics=host_metrics, record=own)
-            for name, one in sets.items()
-        }
-        return eval_sets.returned(results)
+        return self._evaluations.evaluate(input, steps=steps, checkpoint=checkpoint, host_metrics=host_metrics)
 
     @calls.one_thread_at_a_time
     def evaluate_states(
@@ -319,11 +277,7 @@ class Estimator:
         """The merged metric states of an evaluation (host numpy, int64/float64), by name:
         e.g. a confusion matrix, or the histograms an AUC comes from (``AUCState.points()``);
         for a mapping of named sets, ``{set name: states}``."""
-        sets = eval_sets.named(input, "evaluate_states(input=...)")
-        sets = {name: self._checks.evaluate(one) for name, one in sets.items()}
-        state = self._at(checkpoint, "evaluate")
-        states = {name: self._evaluator.states(one, state, steps=steps, name=name)[0] for name, one in sets.items()}
-        return eval_sets.returned(states)
+        return self._evaluations.states(input, steps=steps, checkpoint=checkpoint)
 
     @calls.one_thread_at_a_time
     def follow(
@@ -357,7 +311,7 @@ class Estimator:
         input = self._checks.evaluate(input)
         work = follow_lib.Work(
             restore=lambda step: self._at(step, "follow"),
-            evaluate=lambda state: self._evaluate_set(None, input, state),
+            evaluate=lambda state: self._evaluations.one_set(None, input, state),
             best=best,
             export=lambda state, path: export_lib.export(
                 *self._exportable(state), path, self._plan.export_features(None)
@@ -365,41 +319,6 @@ class Estimator:
             export_base=export,
         )
         return follow_lib.Follower(self.run_dir, work, name, policy or FollowPolicy(), self._train_call.sync).run()
-
-    def _evaluate_set(
-        self,
-        name: str | None,
-        input,
-        state,
-        *,
-        steps: int | None = None,
-        should_stop: Callable | None = None,
-        host_metrics: Callable | None = None,
-        record: bool = False,
-    ) -> dict[str, float] | None:
-        """The exact metrics of ONE evaluation set on ``state`` (a ``TrainState``); ``None`` if
-        ``should_stop()`` interrupted it. ``name``: the set's (``None``: the unnamed input, split
-        ``eval``); ``input``: as ``self._checks.evaluate(input)`` returned it (a plain iterator's
-        first batch put back); ``record``: also write the results under the set's split (console,
-        metrics.jsonl, TensorBoard, trackers), as ``evaluate`` does (training's evaluations are
-        written by its own records instead)."""
-        if name is not None:
-            eval_sets.check_name(name, "the evaluation set")
-        average = averaging.evaluates_average(self.config)
-        results = self._evaluator.results(
-            input,
-            averaging.chosen(state, average),
-            steps=steps,
-            should_stop=should_stop,
-            host_metrics=host_metrics or self._host_metrics,
-            name=name,
-        )
-        if results is not None and average:  # the records say which weights were evaluated
-            results = {**results, "ema_decay": self.config.ema_decay}
-        if record and results is not None:
-            step = int(jax.device_get(state.step))  # host sync: the step of the state evaluated
-            self._parts.writers.record_evaluation(step, results, eval_sets.split_of(name))
-        return results
 
     @calls.one_thread_at_a_time
     def predict(self, input, *, checkpoint: int | str | None = None, gather: bool = False) -> Iterator:
@@ -422,12 +341,19 @@ class Estimator:
     # -- export ------------------------------------------------------------------
     @calls.one_thread_at_a_time
     def export(
-        self, path: str, *, checkpoint: int | str | None = None, example_features=None, format: str = "jax"
+        self,
+        path: str,
+        *,
+        checkpoint: int | str | None = None,
+        example_features=None,
+        format: str = "jax",
+        base_artifact: str | None = None,
     ) -> str:
         """Writes a self-contained artifact of the model to ``path``; returns that directory.
 
         Under ``RunConfig(lora=...)`` the artifact is the base model with each adapter merged
-        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters.
+        into its kernel (``kernel + lora_a @ lora_b * alpha / rank``): one artifact, no adapters;
+        with ``base_artifact``, the adapters alone on that export of the base.
 
         The artifact runs the PREDICT-mode model_fn without the model's code
         (``estimax.serving.load(path)``, ``estimax serve path``), for any batch
@@ -443,11 +369,26 @@ class Estimator:
                 trained, evaluated or predicted on.
             format: ``"jax"``, or ``"tf_saved_model"`` for a TensorFlow SavedModel
                 instead (needs ``pip install 'estimax[tf]'``).
+            base_artifact: under LoRA, a whole export of the base model the adapters were
+                trained on: the artifact then holds the adapters alone and names that base by
+                its checksums (``estimax.serving.load(path)`` finds and checks it).
         """
         if format not in ("jax", "tf_saved_model"):
             raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
+        if base_artifact is not None and (self._parts.merged is None or format != "jax"):
+            raise ConfigError(
+                f"export(base_artifact={base_artifact!r}, format={format!r}) with RunConfig(lora="
+                f"{self.config.lora!r}); expected a LoRA run exported as 'jax': only adapters go on a base. "
+                "Fix: leave base_artifact out for a whole artifact."
+            )
         features = self._plan.export_features(example_features)
-        core, state = self._exportable(self._at(checkpoint, "export"))
+        state = self._at(checkpoint, "export")
+        if base_artifact is not None:
+            core, base = self._parts.merged(state, merge=False)
+            adapters = lora_lib.split_params(state.params)[1]
+            rules = lora_lib.merge_rules(state.params, self.config.lora)
+            return adapter_export.export(core, base, path, features, base_artifact, adapters, rules)
+        core, state = self._exportable(state)
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 

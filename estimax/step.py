@@ -2,11 +2,12 @@
 
 Every function here is a pure function of pytrees, traced once and compiled
 with explicit shardings by ``loop.py``. The checks of what a model_fn returns
-run while tracing, so a wrong Spec fails before anything is compiled.
+(``checks/spec.py``) run while tracing, so a wrong Spec fails before anything is compiled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -18,12 +19,31 @@ import optax
 from estimax import accumulation, precision
 from estimax import metrics as metrics_lib
 from estimax.checks import diagnose
-from estimax.errors import ConfigError, SpecError
+from estimax.checks.spec import check_spec
 from estimax.fine_tuning import averaging
 from estimax.spec import EVAL, PREDICT, TRAIN, Mode, Spec
 from estimax.state import TrainState
 
 Batch = tuple[Any, Any]  # (features, labels); labels may be None in PREDICT
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a training step computes beyond the model and its optimizer (``Core(options=...)``).
+
+    Attributes:
+      grad_accum_steps: micro-batches per optimizer step (``accumulation.py``).
+      measure_every_step: run ``grad_checks`` on every step of a device loop, not only
+        on its last one and on non-finite losses (exact skipped-update counts).
+      last_step_apart: run a loop's last step after its scan instead of a conditional in
+        every step (``train_loop``); for GPUs, where a conditional waits for its predicate.
+      average: the rule of a moving average of the parameters kept in the state, or None.
+    """
+
+    grad_accum_steps: int = 1
+    measure_every_step: bool = False
+    last_step_apart: bool = False
+    average: averaging.Averaging | None = None
 
 
 class Core:
@@ -36,12 +56,8 @@ class Core:
       hparams: the user's params; ``batch_size`` is set per mode by the caller.
       seed: the base key of initialisation and per-step randomness.
       compute_dtype: the dtype the model runs in (mixed precision), or None.
-      grad_accum_steps: micro-batches per optimizer step (``accumulation.py``).
-      measure_every_step: run ``grad_checks`` on every step of a device loop, not only
-        on its last one and on non-finite losses (exact skipped-update counts).
-      last_step_apart: run a loop's last step after its scan instead of a conditional in
-        every step (``train_loop``); for GPUs, where a conditional waits for its predicate.
-      average: the rule of a moving average of the parameters kept in the state, or None.
+      options: accumulation, gradient checks, the loop's last step, the parameter average
+        (``StepOptions``).
     """
 
     def __init__(
@@ -52,10 +68,7 @@ class Core:
         hparams: dict,
         seed: int,
         compute_dtype: str | None = None,
-        grad_accum_steps: int = 1,
-        measure_every_step: bool = False,
-        last_step_apart: bool = False,
-        average: averaging.Averaging | None = None,
+        options: StepOptions = StepOptions(),
     ):
         self.adapter = adapter
         self.model_fn = model_fn
@@ -63,10 +76,10 @@ class Core:
         self.hparams = hparams
         self.seed = seed
         self.compute_dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-        self.grad_accum_steps = grad_accum_steps
-        self.measure_every_step = measure_every_step
-        self.last_step_apart = last_step_apart and not measure_every_step
-        self.average = average
+        self.grad_accum_steps = options.grad_accum_steps
+        self.measure_every_step = options.measure_every_step
+        self.last_step_apart = options.last_step_apart and not options.measure_every_step
+        self.average = options.average
 
     # -- state ---------------------------------------------------------------
     def init_state(self) -> TrainState:
@@ -290,109 +303,3 @@ def _learning_rate(opt_state):
 
 def _batch_size(batch: Batch) -> int:
     return jax.tree.leaves(batch[0])[0].shape[0]
-
-
-def check_spec(spec: Any, mode: Mode, batch_size: int) -> Spec:
-    """Raises a ``SpecError`` naming what a model_fn returned that cannot work."""
-    if not isinstance(spec, Spec):
-        raise SpecError(
-            f"model_fn returned {type(spec).__name__} in {mode} mode; expected estimax.Spec, "
-            "e.g. `return ex.Spec(loss=per_example_loss, metrics={...})`."
-        )
-    if mode == TRAIN and spec.loss is None:
-        raise SpecError(
-            "model_fn returned Spec(loss=None) in TRAIN mode; training needs a loss: "
-            "`return ex.Spec(loss=optax.softmax_cross_entropy_with_integer_labels(logits, labels))`."
-        )
-    if mode == PREDICT:
-        if spec.predictions is None:
-            raise SpecError(
-                "model_fn returned Spec(predictions=None) in PREDICT mode; expected an array or "
-                "a dict of arrays with the batch as leading axis, e.g. "
-                "`if mode == ex.PREDICT: return ex.Spec(predictions={'class': logits.argmax(-1)})`."
-            )
-        for path, leaf in jax.tree_util.tree_leaves_with_path(spec.predictions):
-            shape = jnp.shape(leaf)
-            if not shape or shape[0] != batch_size:
-                raise SpecError(
-                    f"model_fn prediction {_name(path)} has shape {shape}; expected the batch "
-                    f"({batch_size}) as leading axis, one row per example."
-                )
-        return spec
-    named = {"loss": spec.loss} if spec.loss is not None else {}
-    if spec.metrics is not None and not isinstance(spec.metrics, dict):
-        raise SpecError(f"Spec(metrics=...) is {type(spec.metrics).__name__}; expected a dict name -> values.")
-    for key, value in (spec.metrics or {}).items():
-        if isinstance(value, metrics_lib.Metric):
-            raise SpecError(
-                f"Spec(metrics={{{key!r}: {type(value).__name__}(...)}}) is a metric state; expected its inputs "
-                f"of this batch, which the engine masks: `{type(value).__name__}.of(...)`."
-            )
-        if metrics_lib.is_metric_inputs(value):
-            _check_rows(f"metrics[{key!r}] ({value.metric.__name__}) input", value, batch_size, mode)
-        else:
-            named[f"metrics[{key!r}]"] = value
-    for name, value in named.items():
-        shape = jnp.shape(value)
-        if shape not in ((), (batch_size,)):
-            raise SpecError(
-                f"model_fn {name} has shape {shape} in {mode} mode; expected per-example values "
-                f"of shape ({batch_size},) or a scalar. Fix: reduce the other axes, e.g. "
-                "`.mean(axis=-1)` or `.sum(axis=-1)`, and keep the batch axis."
-            )
-    check_metric_names(spec.metrics or {}, mode, batch_size)  # once the shapes are known to fit
-    if spec.eval_outputs is not None:
-        if not isinstance(spec.eval_outputs, dict):
-            raise SpecError(
-                f"Spec(eval_outputs=...) is {type(spec.eval_outputs).__name__}; expected a dict name -> "
-                "per-example arrays."
-            )
-        _check_rows("eval_outputs", spec.eval_outputs, batch_size, mode)
-    return spec
-
-
-# Names the engine reports beside the metrics: in every evaluation, and in training's outputs and logs.
-RESERVED_EVAL = ("loss", metrics_lib.NUM_EXAMPLES, "ema_decay")
-RESERVED_TRAIN = (
-    "loss",
-    "grad_norm",
-    "finite_grads",
-    "learning_rate",
-    "skipped_update_fraction",
-    "steps_per_sec",
-    "examples_per_sec",
-    "input_wait_fraction",
-    metrics_lib.LOSS_LABELS,
-)
-
-
-def check_metric_names(metrics: dict, mode: Mode, batch_size: int) -> None:
-    """Raises a ``ConfigError`` naming both of two results with one name: a metric and a name the engine
-    reports (``loss``, ``num_examples``, ...), or two metrics (``prf/accuracy`` beside a ``ConfusionMatrix``
-    named ``prf``, which reports ``prf/accuracy``)."""
-    reserved = RESERVED_TRAIN if mode == TRAIN else RESERVED_EVAL
-    owner = {name: f"the engine's own {name!r}" for name in reserved}
-    for key, value in metrics.items():
-        names = metrics_lib.result_names({key: value}, batch_size) if metrics_lib.is_metric_inputs(value) else [key]
-        what = f"metric {key!r}" + (f" ({type(value).__name__})" if metrics_lib.is_metric_inputs(value) else "")
-        for name in names:
-            if name in owner:
-                raise ConfigError(
-                    f"Spec(metrics=...) in {mode} mode reports {name!r} twice: {owner[name]} and {what}; expected "
-                    "distinct names (one would silently replace the other). Fix: rename the metric."
-                )
-            owner[name] = what if name == key else f"{what}'s field {name!r}"
-
-
-def _check_rows(what: str, tree, batch_size: int, mode: Mode) -> None:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-        shape = jnp.shape(leaf)
-        if not shape or shape[0] != batch_size:
-            raise SpecError(
-                f"model_fn {what} {jax.tree_util.keystr(path)} has shape {shape} in {mode} mode; expected the "
-                f"batch ({batch_size}) as leading axis, one row per example."
-            )
-
-
-def _name(path) -> str:
-    return "".join(str(p) for p in path) or "predictions"

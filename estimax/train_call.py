@@ -12,8 +12,10 @@ positions (``data/plan.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 
@@ -25,6 +27,7 @@ from estimax.config import Best
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
+from estimax.errors import ConfigError
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.host_loop import Evaluation, HostLoop
 from estimax.loop import DeviceLoop
@@ -35,8 +38,27 @@ from estimax.run import resize, run_computation
 from estimax.run.saves import Saves
 from estimax.spec import EVAL, PREDICT, TRAIN
 from estimax.state import leaf_names
+from estimax.step import Core
 
 logger = logging.getLogger("estimax")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOnMesh:
+    """The model a call trains: its pure functions (``step.Core``) and where its arrays live
+    (``layout.Layout``: the mesh, the state's shardings and their plan)."""
+
+    core: Core
+    layout: layout_lib.Layout
+
+
+class Evaluated(NamedTuple):
+    """A ``train_and_evaluate`` call's training input, hooks and evaluations, checked (``TrainCall.evaluated``)."""
+
+    train_input: object
+    hooks: list[Hook]
+    evaluation: Evaluation
+    sets: dict  # each evaluation set's input by name, as the checks returned it
 
 
 class TrainCall:
@@ -44,18 +66,16 @@ class TrainCall:
 
     Args:
       config: the ``RunConfig``.
-      core, layout, abstract_state: the model's pure functions, where its arrays live, and the
-        state's shapes (for the names of its parameters).
+      model: the model's pure functions and where its arrays live (``ModelOnMesh``).
       plan: the ``InputPlan``; run_dir: the ``RunDir`` (or ``NoRunDir``); current: the ``CurrentState``.
       sync: the group's ``Sync``; writers: the Estimator's ``CallWriters``.
-      shape: the processes, devices and mesh this run trains on (``resize.shape``).
     """
 
-    def __init__(self, config, core, layout, abstract_state, plan, run_dir, current, sync, writers, shape):
-        self.config, self.core, self.layout, self.plan = config, core, layout, plan
-        self.run_dir, self.current, self.sync, self.shape = run_dir, current, sync, shape
-        self.writers: CallWriters = writers
-        self.param_names = leaf_names(abstract_state.params)
+    def __init__(self, config, model: ModelOnMesh, plan, run_dir, current, sync, writers: CallWriters):
+        self.config, self.core, self.layout, self.plan = config, model.core, model.layout, plan
+        self.run_dir, self.current, self.sync, self.writers = run_dir, current, sync, writers
+        self.shape = resize.shape(model.layout.mesh)  # the processes, devices and mesh this run trains on
+        self.param_names = leaf_names(model.layout.state.params)  # the state's tree, its leaves shardings
         self.runner: DeviceLoop | None = None  # compiled at the first call, kept for the next ones
 
     def hooks(self, hooks: Sequence[Hook], best: Best | None = None, best_set: str | None = None) -> list[Hook]:
@@ -66,6 +86,38 @@ class TrainCall:
             split = eval_sets.split_of(best_set)
             hooks.append(EarlyStopping(best.metric, best.direction, best.patience, best.min_delta, split))
         return hooks
+
+    def evaluated(
+        self, train_input, eval_input, every: tuple, best: Best | None, hooks: Sequence[Hook], checks, run: Callable
+    ) -> Evaluated:
+        """What ``train_and_evaluate`` trains with, checked in this order: the cadence (``every``:
+        ``(eval_every_steps, eval_every_epochs)``, one of them set), the evaluation sets of ``eval_input``
+        and the one ``best`` reads, the hooks with their early stopping and the splits they watch, the
+        training input, then each set with the metrics the hooks and ``best`` use. ``checks``: the
+        Estimator's ``ModeChecks``; ``run(name, input, state, should_stop=...)`` evaluates one set."""
+        every_steps, every_epochs = every
+        if (every_steps is None) == (every_epochs is None):
+            raise ConfigError(
+                "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
+                f"received eval_every_steps={every_steps!r}, eval_every_epochs={every_epochs!r}."
+            )
+        sets = eval_sets.named(eval_input)
+        best_set = eval_sets.deciding(best, sets)
+        if every_epochs is not None:
+            every_steps = every_epochs * self.plan.steps_per_epoch(train_input)
+        hooks = self.hooks(hooks, best, best_set)  # with early stopping where best has a patience
+        validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
+        train_input = checks.train(train_input)
+        used = validation.metrics_used(hooks, best)
+        checked = {name: checks.evaluate(input, used) for name, input in sets.items()}
+        evaluation = self.evaluation(
+            lambda name, state, should_stop: run(name, checked[name], state, should_stop=should_stop),
+            every_steps,
+            best,
+            tuple(checked),
+            best_set,
+        )
+        return Evaluated(train_input, hooks, evaluation, checked)
 
     def evaluation(
         self, run: Callable, every_steps: int, best: Best | None, sets: tuple = (None,), best_set: str | None = None

@@ -106,13 +106,11 @@ def test_process_shards_are_disjoint_and_evaluation_counts_each_example_once(tmp
     per_epoch = source.steps_per_epoch(16, count)
     train = []
     for p in range(count):
-        ids = _ids(
-            feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, process_index=p, process_count=count)
-        )
+        ids = _ids(feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, shard=feed.Shard(p, count)))
         assert len(ids) == per_epoch * 16 and len(np.unique(ids)) == len(ids)
         train.append(set(ids.tolist()))
     assert all(not (a & b) for a, b in itertools.combinations(train, 2))
-    shards = [list(feed.eval_batches(source, 64, process_index=p, process_count=count)) for p in range(count)]
+    shards = [list(feed.eval_batches(source, 64, shard=feed.Shard(p, count))) for p in range(count)]
     assert len({len(s) for s in shards}) == 1  # the same number of evaluation steps on every process
     assert sorted(np.concatenate([b[0]["id"] for s in shards for b in s]).tolist()) == list(range(n))
 

@@ -92,12 +92,12 @@ def test_a_map_style_dataset_is_sharded_over_processes(tmp_path):
     source = ex.data.from_hf(_map_style(tmp_path, 301), label="y", features=["id", "x"])
     per_epoch = source.steps_per_epoch(16, 3)
     train = [
-        set(_ids(feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, process_index=p, process_count=3)))
+        set(_ids(feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, shard=feed.Shard(p, 3))))
         for p in range(3)
     ]
     assert all(len(t) == per_epoch * 16 for t in train)
     assert all(not (a & b) for a, b in itertools.combinations(train, 2))
-    shards = [list(feed.eval_batches(source, 32, process_index=p, process_count=3)) for p in range(3)]
+    shards = [list(feed.eval_batches(source, 32, shard=feed.Shard(p, 3))) for p in range(3)]
     assert len({len(s) for s in shards}) == 1
     assert sorted(np.concatenate([b[0]["id"] for s in shards for b in s]).tolist()) == list(range(301))
 
@@ -106,7 +106,7 @@ def test_a_map_style_dataset_is_sharded_over_processes(tmp_path):
 def test_a_stream_is_split_per_process(tmp_path, count):
     source = ex.data.from_hf(_stream(tmp_path, 400), ["id", "x"], label="y")
     seen = [
-        np.concatenate([b[0]["id"] for b in feed.eval_batches(source, 32, process_index=p, process_count=count)])
+        np.concatenate([b[0]["id"] for b in feed.eval_batches(source, 32, shard=feed.Shard(p, count))])
         for p in range(count)
     ]
     assert sorted(np.concatenate(seen).tolist()) == list(range(400))

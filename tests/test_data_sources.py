@@ -82,7 +82,7 @@ def test_process_shards_are_disjoint_and_eval_counts_each_example_once(kind, num
     per_epoch = source.steps_per_epoch(16, count)
     train = []
     for p in range(count):
-        stacks = feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, process_index=p, process_count=count)
+        stacks = feed.train_stacks(source, 16, [per_epoch], seed=0, start_step=0, shard=feed.Shard(p, count))
         ids = np.concatenate([s[0]["id"].ravel() for s in stacks])
         assert len(ids) == per_epoch * 16 and len(np.unique(ids)) == len(ids)
         train.append(set(ids.tolist()))
@@ -90,7 +90,7 @@ def test_process_shards_are_disjoint_and_eval_counts_each_example_once(kind, num
     # Evaluation: the same number of batches on every process; valid rows cover the set once.
     num_batches, evaluated = set(), []
     for p in range(count):
-        batches = list(feed.eval_batches(source, 64, process_index=p, process_count=count))
+        batches = list(feed.eval_batches(source, 64, shard=feed.Shard(p, count)))
         num_batches.add(len(batches))
         evaluated.extend(b[0]["id"] for b in batches)
     assert len(num_batches) == 1 and all(len(ids) <= 64 for ids in evaluated)
@@ -99,7 +99,7 @@ def test_process_shards_are_disjoint_and_eval_counts_each_example_once(kind, num
 
 def test_a_process_with_fewer_examples_pads_with_masked_batches():
     source = ex.data.from_grain(grain.MapDataset.range(10).map(lambda i: ({"id": np.int64(i)}, None)))
-    shards = [list(feed.eval_batches(source, 2, process_index=p, process_count=4)) for p in range(4)]
+    shards = [list(feed.eval_batches(source, 2, shard=feed.Shard(p, 4))) for p in range(4)]
     assert [len(s) for s in shards] == [2, 2, 2, 2]  # 3, 3, 2, 2 examples
     assert [b[0]["id"].shape[0] for b in shards[3]] == [2, 0]
     # On the device side, an empty batch becomes a fully masked one.
@@ -162,7 +162,9 @@ def test_streaming_input_trains_and_refuses_epochs_and_many_processes():
     with pytest.raises(TypeError, match=r"Counting in epochs needs an input of known size"):
         estimator().train(ex.data.from_grain(_iter_dataset()), epochs=1)
     with pytest.raises(ValueError, match=r"IterDataset and there are 2 processes"):
-        next(feed.train_stacks(ex.data.from_grain(_iter_dataset()), 8, [1], seed=0, start_step=0, process_count=2))
+        next(
+            feed.train_stacks(ex.data.from_grain(_iter_dataset()), 8, [1], seed=0, start_step=0, shard=feed.Shard(0, 2))
+        )
 
 
 def test_bad_examples_are_named():

@@ -121,11 +121,11 @@ def test_one_named_set_evaluated_on_a_given_state_and_recorded_under_its_name(mo
     # The entry point a process that follows a run reuses: one set, a state it restored, its records.
     est = make_estimator(model_dir)
     test = est._checks.evaluate(ex.data.from_arrays(*TEST))
-    results = est._evaluate_set("test", test, est.state(), record=True)
+    results = est._evaluations.one_set("test", test, est.state(), record=True)
     _check_equal(results, reference(TEST))
     assert [(r["split"], r["set"], r["step"]) for r in _records(model_dir)] == [("eval_test", "test", 0)]
     with pytest.raises(ex.ConfigError, match=r"the evaluation set has the set name 'a/b'"):
-        est._evaluate_set("a/b", test, est.state())
+        est._evaluations.one_set("a/b", test, est.state())
 
 
 def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(model_dir, estimax_log):

@@ -87,7 +87,9 @@ def _imports(modules) -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(open(file).read())):
             if isinstance(node, ast.Import):
                 edges |= {target(alias.name) for alias in node.names if alias.name.split(".")[0] == "estimax"}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "estimax":
+            elif (
+                isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "estimax"
+            ):
                 edges |= {target(f"{node.module}.{alias.name}") for alias in node.names}
         graph[name] = edges - {name, ""}
     return graph

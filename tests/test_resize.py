@@ -58,7 +58,7 @@ def _global_batches(source, start: int, steps: int, processes: int) -> np.ndarra
     host = GLOBAL_BATCH // processes
     parts = [
         np.concatenate([s[0]["id"] for s in feed.train_stacks(source, host, [steps], seed=7, start_step=start,
-                                                               process_index=p, process_count=processes)])
+                                                               shard=feed.Shard(p, processes))])
         for p in range(processes)
     ]  # fmt: skip
     return np.concatenate(parts, axis=1)  # (steps, global batch): each process holds its block of rows

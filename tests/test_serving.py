@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -18,6 +19,7 @@ from flax import nnx
 
 import estimax as ex
 from estimax import serving
+from estimax.state import leaf_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs the CLI, then reports whether Flax was ever imported by `estimax serve`.
@@ -241,6 +243,40 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(artifact):
     assert "flax False" in out  # estimax serve never imported Flax
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", server.port), timeout=2)
+
+
+def test_lora_adapters_are_served_on_their_base_artifact(tmp_path):
+    """An adapters-only export served on a base moved away from its recorded path: refused without
+    --base-artifact (one line, exit 2), answered with it, without importing Flax."""
+    from models import blobs, estimator
+
+    features = blobs(8, seed=3)[0]
+    plain = estimator(None)
+    params = jax.device_get(plain.state().params)
+    np.savez(tmp_path / "base.npz", **dict(zip(leaf_names(params), jax.tree.leaves(params), strict=True)))
+    with pytest.warns(ex.UntrainedWarning):  # the initial parameters: the base
+        base = plain.export(str(tmp_path / "base"), example_features=features)
+    lora = ex.LoRA(layers=["l1", "l2"], rank=4, alpha=8)
+    est = estimator(None, optimizer=optax.adam(1e-2), lora=lora, warm_start=ex.WarmStart(str(tmp_path / "base.npz")))
+    est.train(ex.data.from_arrays(*blobs(128)), max_steps=4)
+    path = est.export(str(tmp_path / "demo"), example_features=features, base_artifact=base)
+    moved = str(tmp_path / "moved-base")
+    os.rename(base, moved)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    result = subprocess.run(
+        [sys.executable, "-m", "estimax.cli", "serve", path], capture_output=True, text=True, env=env
+    )  # fmt: skip
+    assert result.returncode == 2 and "whose base artifact is not at" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    server = Server(path, "--base-artifact", moved, "--no-calibration")
+    try:
+        status, answer = server.predict({"inputs": {"x": features["x"].tolist()}})
+        expected = serving.load(path, base_artifact=moved)(features)["logits"]
+        assert status == 200
+        np.testing.assert_allclose(answer["outputs"]["logits"], expected, rtol=1e-5, atol=1e-6)
+    finally:
+        returncode, out, _ = server.stop()
+    assert returncode == 0 and "flax False" in out  # estimax serve never imported Flax
 
 
 def test_missing_artifact_is_a_clear_error(tmp_path):

@@ -9,7 +9,7 @@ the original error chained. Whether labels are the cause is decided by
 tracing the model_fn again on the same features without them (PREDICT mode):
 if it fails alike, the features are. Tracing runs before anything is
 compiled, so these errors come before the first step.
-Does not own checking what a model_fn returns (``step.check_spec``) nor the
+Does not own checking what a model_fn returns (``checks/spec.py``) nor the
 input itself (``data.checks``).
 """
 

@@ -31,6 +31,7 @@ from estimax.data import checks
 from estimax.data.source import SizedSource, Source
 from estimax.errors import ConfigError, ConfigTypeError, SpecError
 from estimax.hooks import EarlyStopping, Hook
+from estimax.metrics import host_metrics as host_metrics_lib
 from estimax.spec import EVAL, PREDICT, TRAIN
 
 
@@ -103,6 +104,17 @@ def abstract_batch(batch, global_batch_size: int):
     )
 
 
+def check_arguments(model_fn, optimizer, host_metrics) -> None:
+    """``Estimator(model_fn=..., optimizer=..., host_metrics=...)`` of the kinds they must be."""
+    check_model_fn(model_fn)
+    host_metrics_lib.check(host_metrics)
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise ConfigTypeError(
+            f"Estimator(optimizer={optimizer!r}) is not an optax GradientTransformation; "
+            "expected e.g. `optax.sgd(0.05)` or `optax.adam(1e-3)`."
+        )
+
+
 def check_model_fn(model_fn) -> None:
     if not callable(model_fn):
         raise ConfigTypeError(
@@ -126,7 +138,7 @@ class ModeChecks:
     Each trace is a ``jax.make_jaxpr`` on the shapes of the first batch of the call's own input,
     with the global batch of that mode (``plan.global_batch``): nothing is compiled, allocated or
     evaluated. What the model_fn raises is retold by ``diagnose.py`` (a ``ModelFnError``); what it
-    returns is checked by ``step.check_spec``. Each method returns the input to use from then on:
+    returns is checked by ``checks/spec.py``. Each method returns the input to use from then on:
     an iterator whose first batch was read has it put back.
     """
 
@@ -146,6 +158,13 @@ class ModeChecks:
             if inspect is not None:
                 inspect(jaxpr)
         return self._traced[key]
+
+    def of_mode(self, mode: str, input):
+        """The check of ``mode`` (``ex.TRAIN``, ``ex.EVAL``, ``ex.PREDICT``) on ``input`` (``Estimator.check``)."""
+        by_mode = {TRAIN: self.train, EVAL: self.evaluate, PREDICT: self.predict}
+        if mode not in by_mode:
+            raise ConfigError(f"Estimator.check(mode={mode!r}); expected ex.TRAIN, ex.EVAL or ex.PREDICT.")
+        return by_mode[mode](input)
 
     def train(self, input):
         """TRAIN mode, on micro-batches where gradients are accumulated; under ``compute_dtype``,

@@ -262,7 +262,9 @@ def export(args, task, estimator, first: bool) -> int:
     if checkpoint is None:
         _require_checkpoint(estimator)
     features = _first_features(task.input("predict"))  # the shapes of the artifact's input
-    path = estimator.export(args.output, checkpoint=checkpoint, example_features=features)
+    path = estimator.export(
+        args.output, checkpoint=checkpoint, example_features=features, base_artifact=args.base_artifact
+    )
     if first:
         print(path)
     return 0
@@ -270,7 +272,7 @@ def export(args, task, estimator, first: bool) -> int:
 
 def _first_features(predict_input):
     """The features of the first example of ``predict_input`` (a batch of one)."""
-    features, _ = next(iter(feed.eval_batches(predict_input, 1, process_index=0, process_count=1)))
+    features, _ = next(iter(feed.eval_batches(predict_input, 1, shard=feed.Shard(0, 1))))
     return features
 
 

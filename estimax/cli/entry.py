@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         if name == "export":
             sub.add_argument("--output", required=True, help="the artifact's directory, e.g. exports/digits")
             sub.add_argument("--checkpoint", help="STEP of the model dir or a checkpoint PATH (default: the latest)")
+            sub.add_argument(
+                "--base-artifact",
+                metavar="DIR",
+                help="a LoRA run: write the adapters alone, on this export of the base they were trained on",
+            )
     launch = commands.add_parser(
         "launch",
         help="run a command as N processes on this machine, restarting the group on failure",

@@ -62,7 +62,7 @@ def read(model_dir: str) -> Remembered | None:
     if not storage.exists(path):
         return None
     content = storage.read_bytes(path)
-    try:
+    try:  # the ValueErrors raised here never leave: they are told below, with json's own, as one ConfigError
         record = json.loads(content)
         if not isinstance(record, dict):
             raise ValueError(f"a JSON {type(record).__name__}, not an object")

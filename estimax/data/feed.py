@@ -24,7 +24,9 @@ from estimax.data.checks import BatchChecker, check_pair, check_source
 from estimax.data.source import Source
 from estimax.errors import InputError, InputKindError
 
-__all__ = ["BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Stacks", "eval_batches", "rows", "train_stacks"]
+__all__ = [
+    "BatchChecker", "DeviceBatch", "DeviceChunk", "Prefetch", "Shard", "Stacks", "eval_batches", "rows", "train_stacks",
+]  # fmt: skip
 
 
 class DeviceChunk(NamedTuple):
@@ -49,6 +51,13 @@ class DeviceBatch(NamedTuple):
     mask: Any
     num_valid: int  # valid rows of this process
     padded: bool  # whether this process padded it
+
+
+class Shard(NamedTuple):
+    """The part of the input one process reads: process ``process_index`` of ``process_count``."""
+
+    process_index: int
+    process_count: int
 
 
 # -- host batches -------------------------------------------------------------
@@ -79,8 +88,7 @@ def train_stacks(
     seed: int,
     start_step: int,
     input_state: Any = None,
-    process_index: int | None = None,
-    process_count: int | None = None,
+    shard: Shard | None = None,
 ) -> Stacks:
     """Host stacks ``(num_steps, host_batch, ...)`` of training batches, one per chunk size.
 
@@ -88,12 +96,11 @@ def train_stacks(
     files) deliver them from ``start_step`` themselves; streaming sources
     (a Grain ``IterDataset``) resume from ``input_state``, the value a
     ``DeviceChunk`` carried. Plain iterables are checked batch by batch and
-    stacked here, and may end early with a shorter stack. The process index
-    and count default to JAX's.
+    stacked here, and may end early with a shorter stack. ``shard``: which
+    process of how many reads (``Shard(process_index, process_count)``); default JAX's.
     """
     check_source(source)
-    process_index = jax.process_index() if process_index is None else process_index
-    process_count = jax.process_count() if process_count is None else process_count
+    process_index, process_count = shard or Shard(jax.process_index(), jax.process_count())
     if isinstance(source, Source):
         kwargs = {} if input_state is None else {"input_state": input_state}
         stacks = source.train_stacks(
@@ -132,9 +139,7 @@ def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
             return
 
 
-def eval_batches(
-    source, host_batch_size: int, *, process_index: int | None = None, process_count: int | None = None
-) -> Iterator:
+def eval_batches(source, host_batch_size: int, *, shard: Shard | None = None) -> Iterator:
     """Every host batch of evaluation input once; the last ones may be short or empty.
 
     Sources of known size yield the same number of batches on every process
@@ -142,14 +147,12 @@ def eval_batches(
     short or empty batches, padded and fully masked by ``plan.InputPlan.eval_batches``,
     so that every process runs the same steps and each example counts once.
     Plain iterables must yield the same number of batches on every process.
+    ``shard``: which process of how many reads (``Shard(process_index, process_count)``); default JAX's.
     """
     check_source(source)
     if isinstance(source, Source):
-        return source.eval_batches(
-            host_batch_size,
-            process_index=jax.process_index() if process_index is None else process_index,
-            process_count=jax.process_count() if process_count is None else process_count,
-        )
+        process_index, process_count = shard or Shard(jax.process_index(), jax.process_count())
+        return source.eval_batches(host_batch_size, process_index=process_index, process_count=process_count)
     return _iterate(source)
 
 

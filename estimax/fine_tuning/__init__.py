@@ -1,6 +1,8 @@
 """The settings of fine-tuning: ``LoRA`` and the check of ``RunConfig(freeze=...)``.
 
-Owns what these settings may be and their checked forms; imports no JAX, like
+Owns what these settings may be and their checked forms, and the one arithmetic of an
+adapter merged into its kernel (``merge_adapter``, numpy: the merged export and the loading
+of an adapters-only export both use it, and serving imports no Flax); imports no JAX, like
 ``config.py``, which uses them. What they do is ``freezing.py``'s and ``lora.py``'s.
 """
 
@@ -59,6 +61,15 @@ class LoRA:
         object.__setattr__(self, "alpha", float(alpha))
         if self.adapters is not None:
             object.__setattr__(self, "adapters", os.fspath(self.adapters))
+
+
+def merge_adapter(kernel, lora_a, lora_b, scale: float):
+    """``kernel + lora_a @ lora_b * scale``, computed in float64 and returned in the kernel's dtype."""
+    import numpy as np  # when merging only: the settings' import stays light
+
+    kernel = np.asarray(kernel)
+    update = np.asarray(lora_a).astype(np.float64) @ np.asarray(lora_b).astype(np.float64)
+    return (kernel.astype(np.float64) + update * scale).astype(kernel.dtype)
 
 
 def check_freeze(freeze) -> tuple[tuple[int, tuple[str, ...]], ...]:

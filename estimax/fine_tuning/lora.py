@@ -5,7 +5,8 @@ Owns the model surgery (each ``nnx.Linear`` whose module path fully matches a ru
 holding the same ``kernel`` and ``bias`` variables plus ``lora/lora_a`` and ``lora/lora_b``,
 its adapter output scaled by ``alpha / rank``), which parameters are adapters, the adapter
 file (an ``.npz`` of the adapter arrays by path), and the merge of adapters into the base
-(``kernel + lora_a @ lora_b * alpha / rank``) for export. Freezing everything but the
+(``kernel + lora_a @ lora_b * alpha / rank``, ``fine_tuning.merge_adapter``) for export, with the
+rules an adapters-only export records to merge them when it is loaded. Freezing everything but the
 adapters is ``freezing.py``'s; the settings (``LoRA``) are ``fine_tuning.py``'s.
 
 Base parameters keep their paths (``blocks/0/attn/query/kernel``), so sharding rules and
@@ -25,7 +26,7 @@ from flax import nnx
 
 from estimax import storage
 from estimax.errors import CheckpointError, ConfigError, ConfigTypeError
-from estimax.fine_tuning import LoRA
+from estimax.fine_tuning import LoRA, merge_adapter
 from estimax.layout import format_bytes
 from estimax.models.base import WrappedModel
 from estimax.state import leaf_names
@@ -167,34 +168,49 @@ def load(state, path: str | os.PathLike):
 
 
 # -- merging -------------------------------------------------------------------------------
-def merged_params(params, settings: LoRA) -> dict[str, np.ndarray]:
-    """The parameters by path with each adapter merged into its kernel (``kernel + a @ b * alpha / rank``,
-    in float64, then the kernel's dtype) and the adapter arrays left out."""
+def split_params(params) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(base arrays, adapter arrays)`` of a parameter tree, each by path, on the host."""
     names = leaf_names(params)
     arrays = dict(zip(names, (np.asarray(x) for x in jax.device_get(jax.tree.leaves(params))), strict=True))
+    return {n: x for n, x in arrays.items() if not is_adapter(n)}, {n: x for n, x in arrays.items() if is_adapter(n)}
+
+
+def merge_rules(params, settings: LoRA) -> list[dict]:
+    """Each adapted layer's merge by parameter path: ``{"kernel", "lora_a", "lora_b", "scale"}``."""
+    layers = [n[: -len(ADAPTER_SUFFIXES[0])] for n in leaf_names(params) if n.endswith(ADAPTER_SUFFIXES[0])]
     scale = settings.alpha / settings.rank
-    for name in [n for n in names if n.endswith(ADAPTER_SUFFIXES[0])]:
-        layer = name[: -len(ADAPTER_SUFFIXES[0])]
-        kernel = arrays[f"{layer}/kernel"]
-        a, b = arrays.pop(name).astype(np.float64), arrays.pop(f"{layer}{ADAPTER_SUFFIXES[1]}").astype(np.float64)
-        arrays[f"{layer}/kernel"] = (kernel.astype(np.float64) + (a @ b) * scale).astype(kernel.dtype)
+    return [
+        {"kernel": f"{layer}/kernel", "lora_a": layer + ADAPTER_SUFFIXES[0], "lora_b": layer + ADAPTER_SUFFIXES[1],
+         "scale": scale}
+        for layer in layers
+    ]  # fmt: skip
+
+
+def merged_params(params, settings: LoRA) -> dict[str, np.ndarray]:
+    """The parameters by path with each adapter merged into its kernel (``fine_tuning.merge_adapter``:
+    ``kernel + a @ b * alpha / rank`` in float64, then the kernel's dtype) and the adapter arrays left out."""
+    arrays, adapters = split_params(params)
+    for rule in merge_rules(params, settings):
+        lora_a, lora_b = adapters[rule["lora_a"]], adapters[rule["lora_b"]]
+        arrays[rule["kernel"]] = merge_adapter(arrays[rule["kernel"]], lora_a, lora_b, rule["scale"])
     return arrays
 
 
-def merged_core(model, hparams: dict, config, core, mesh, state):
-    """``(Core of the model without adapters, state with the adapters merged)``: what export writes."""
+def merged_core(model, hparams: dict, config, core, mesh, state, *, merge: bool = True):
+    """``(Core of the model without adapters, state with the adapters merged)``: what export writes;
+    ``merge=False``: the state of the base alone, the adapters left out (an adapters-only export's base)."""
     from estimax.models import resolve as resolve_model  # the layer of models, used at export only
     from estimax.step import Core
 
     with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
         base_adapter = resolve_model(model, hparams, config.seed)
     base = Core(base_adapter, core.model_fn, core.optimizer, core.hparams, core.seed, core.compute_dtype)
-    return base, merged(base_adapter, state, config.lora)
+    return base, merged(base_adapter, state, config.lora, merge)
 
 
-def merged(base_adapter, state, settings: LoRA):
-    """``state`` with the base model's parameter tree (of ``base_adapter``), adapters merged in."""
-    arrays = merged_params(state.params, settings)
+def merged(base_adapter, state, settings: LoRA, merge: bool = True):
+    """``state`` with the base model's parameter tree (of ``base_adapter``), adapters merged in (or left out)."""
+    arrays = merged_params(state.params, settings) if merge else split_params(state.params)[0]
     abstract = jax.eval_shape(base_adapter.init)[0]
     leaves = [arrays[n] for n in leaf_names(abstract)]
     return state._replace(params=jax.tree.unflatten(jax.tree.structure(abstract), leaves), opt_state=None)

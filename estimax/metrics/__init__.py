@@ -16,6 +16,7 @@ multiplication, so a NaN in a padded row changes nothing. Owns no I/O and no
 device placement.
 """
 
+from estimax.metrics.classification import AUCState, ConfusionState, HitsState
 from estimax.metrics.inputs import (
     AUC,
     Accuracy,
@@ -44,9 +45,6 @@ from estimax.metrics.protocol import (
     to_host,
 )
 from estimax.metrics.states import (
-    AUCState,
-    ConfusionState,
-    HitsState,
     MaxState,
     MeanState,
     MinState,

@@ -11,11 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from estimax.errors import ConfigError, EstimaxError
+from estimax.metrics.classification import AUCState, ConfusionState, HitsState
 from estimax.metrics.protocol import Inputs, Metric, empty_like, results
 from estimax.metrics.states import (
-    AUCState,
-    ConfusionState,
-    HitsState,
     MaxState,
     MeanState,
     MinState,

@@ -70,6 +70,7 @@ class Checkpointer:
         ``run_meta``: how the run was set up, saved with every checkpoint under ``"run"``."""
         noise.quiet_libraries()
         self.directory = storage.resolve(directory)
+        storage.quiet_tensorstore(self.directory)
         self.policy = policy or CheckpointPolicy()
         self.read_only = read_only
         self._best = best

@@ -3,8 +3,12 @@
 Owns reading and verifying an artifact written by ``export.py`` (every
 file checked against ``signature.json``, a damaged one named), validating
 and casting inputs against the signature, and running the program on any
-batch size. Needs only jax, numpy and Orbax: never Flax, never the model's
-code. Does not own HTTP (``server.py``).
+batch size. An adapters-only export (``adapter_export.py``) is loaded on its
+base artifact: found (the path given, else the one recorded, else the same
+place relative to the adapters), checked against the digest recorded, its
+arrays read, and each adapter merged into its kernel as the merged export
+merged it (``fine_tuning.merge_adapter``). Needs only jax, numpy and Orbax:
+never Flax, never the model's code. Does not own HTTP (``server.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,16 @@ import numpy as np
 
 from estimax import storage
 from estimax.errors import ArtifactError, InputError, InputKindError
-from estimax.serving.export import BATCH, FORMAT, SIGNATURE, SINGLE_OUTPUT, array_sha256
+from estimax.fine_tuning import merge_adapter
+from estimax.serving.export import (
+    ADAPTERS_FORMAT,
+    BATCH,
+    FORMAT,
+    SIGNATURE,
+    SINGLE_OUTPUT,
+    array_sha256,
+    params_digest,
+)
 
 # jax.export's compatibility window: a consumer up to ~6 months newer or ~3 weeks older than the
 # exporter. JAX releases a minor version about every two months, with patch releases within it, so
@@ -123,18 +136,26 @@ class _Spec:
         )
 
 
-def load(path: str) -> ExportedModel:
-    """The model exported to ``path`` by ``Estimator.export``, ready to call on numpy arrays."""
+def load(path: str, base_artifact: str | None = None) -> ExportedModel:
+    """The model exported to ``path`` by ``Estimator.export``, ready to call on numpy arrays.
+
+    ``base_artifact``: where the base of an adapters-only export (``export(..., base_artifact=...)``)
+    is now; default: the path recorded at export, then the same place relative to ``path``.
+    """
     from jax import export as jax_export
 
-    path = storage.resolve(path)
+    path = written = storage.resolve(path)
     if storage.is_url(path):  # read from a local copy: the program and arrays are read whole anyway
-        import tempfile
-
         if not storage.exists(storage.join(path, SIGNATURE)):
             raise ArtifactError(f"{path} holds no {SIGNATURE}; expected the directory written by Estimator.export().")
-        path = storage.download(path, tempfile.mkdtemp(prefix="estimax-serving-"))
-    signature = _read_signature(path)
+        path = _local_copy(path)
+    signature = read_signature(path)
+    if base_artifact is not None and signature["format"] != ADAPTERS_FORMAT:
+        raise ArtifactError(
+            f"load({written!r}, base_artifact={base_artifact!r}): {written} is a whole export ({FORMAT}), not "
+            "an adapters-only one; expected an export written by Estimator.export(..., base_artifact=...). "
+            f"Fix: load({written!r}) without base_artifact."
+        )
     program_path = os.path.join(path, signature["program"])
     program = _read_bytes(program_path)
     if _sha256(program) != signature["program_sha256"]:
@@ -147,12 +168,79 @@ def load(path: str) -> ExportedModel:
     except Exception as error:
         raise ArtifactError(f"{program_path} cannot be deserialized by jax {jax.__version__}: {error}") from error
     _check_program(path, signature, exported)
-    arrays = read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
+    if signature["format"] == ADAPTERS_FORMAT:
+        arrays = _on_base(path, written, signature, base_artifact)
+    else:
+        arrays = read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
     _warn_outside_window(path, signature["versions"]["jaxlib"])
     return ExportedModel(path, signature, exported, arrays)
 
 
-def _read_signature(path: str) -> dict:
+def _local_copy(url: str) -> str:
+    import tempfile
+
+    return storage.download(url, tempfile.mkdtemp(prefix="estimax-serving-"))
+
+
+def _on_base(path: str, written: str, signature: dict, given: str | None) -> dict[str, np.ndarray]:
+    """The program's arrays of the adapters-only export at ``path`` (exported to ``written``): its base
+    artifact's, checked against the recorded digest, each adapter merged into its kernel."""
+    record = signature["adapters"]["base"]
+    adapters = read_params(os.path.join(path, signature["params"]), signature["adapters"]["arrays"])
+    candidates = [storage.resolve(given)] if given is not None else _base_candidates(written, record)
+    base = next((c for c in candidates if storage.exists(storage.join(c, SIGNATURE))), None)
+    if base is None:
+        raise ArtifactError(
+            f"{written} holds LoRA adapters whose base artifact is not at {' nor '.join(candidates)} (no "
+            f"{SIGNATURE} there); expected the export of the base they were trained on (step {record['step']}, "
+            f"digest {record['digest'][:16]}). Fix: load({written!r}, base_artifact=DIR) or `estimax serve "
+            f"{written} --base-artifact DIR`, with DIR that base's export."
+        )
+    local = _local_copy(base) if storage.is_url(base) else base
+    base_signature = read_signature(local)
+    if base_signature["format"] != FORMAT:
+        raise ArtifactError(
+            f"{base} is an adapters-only export itself; expected the whole export of the base model that "
+            f"{written}'s adapters were trained on ({FORMAT}). Fix: base_artifact= that base's export."
+        )
+    digest = params_digest(base_signature["param_arrays"])
+    if digest != record["digest"] or params_digest(signature["param_arrays"]) != record["digest"]:
+        raise ArtifactError(
+            f"{base} is not the base artifact {written}'s adapters were trained on: "
+            f"{param_differences(signature['param_arrays'], base_signature['param_arrays'])}; received digest "
+            f"{digest[:16]} (step {base_signature['step']}), expected {record['digest'][:16]} (step "
+            f"{record['step']}, exported to {record['path']}). Fix: base_artifact= the export of the base the run "
+            "started from."
+        )
+    arrays = read_params(os.path.join(local, base_signature["params"]), base_signature["param_arrays"])
+    for rule in signature["adapters"]["merge"]:
+        lora_a, lora_b = adapters[rule["lora_a"]], adapters[rule["lora_b"]]
+        arrays[rule["kernel"]] = merge_adapter(arrays[rule["kernel"]], lora_a, lora_b, rule["scale"])
+    return arrays
+
+
+def _base_candidates(written: str, record: dict) -> list[str]:
+    """Where an adapters-only export exported to ``written`` looks for its base: the recorded path, then
+    the recorded path relative to it (a tree of exports moved or copied whole)."""
+    candidates = [record["path"]]
+    if record.get("relative") and not storage.is_url(written):
+        moved = os.path.normpath(os.path.join(written, record["relative"]))
+        candidates += [moved] if moved != record["path"] else []
+    return candidates
+
+
+def param_differences(expected: dict, received: dict) -> str:
+    """What differs between two signatures' ``param_arrays``, in a few names."""
+    missing, extra = sorted(set(expected) - set(received)), sorted(set(received) - set(expected))
+    changed = sorted(n for n in set(expected) & set(received) if expected[n] != received[n])
+    parts = [f"{len(changed)} arrays differ ({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''})"]
+    parts += [f"missing {missing[:3]}"] if missing else []
+    parts += [f"unexpected {extra[:3]}"] if extra else []
+    return "; ".join(parts if changed or not (missing or extra) else parts[1:])
+
+
+def read_signature(path: str) -> dict:
+    """The signature of the artifact directory ``path`` (local), checked to be one."""
     file = os.path.join(path, SIGNATURE)
     if not os.path.isdir(path):
         raise ArtifactError(f"{path} is not a directory; expected the directory written by Estimator.export().")
@@ -164,10 +252,12 @@ def _read_signature(path: str) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ArtifactError(f"{file} is not valid JSON ({error}): truncated or altered. Fix: export again.") from None
     required = ("format", "program", "program_sha256", "params", "param_arrays", "inputs", "outputs", "step")
+    adapters = ("arrays", "merge", "base")  # and, in an adapters-only export, what it runs on
     if (
         not isinstance(signature, dict)
-        or signature.get("format") != FORMAT
+        or signature.get("format") not in (FORMAT, ADAPTERS_FORMAT)
         or not all(k in signature for k in required)
+        or (signature["format"] == ADAPTERS_FORMAT and not all(k in signature.get("adapters", {}) for k in adapters))
     ):
         raise ArtifactError(
             f"{file} is not an estimax export signature ({FORMAT}); expected the keys {list(required)}. "

@@ -10,6 +10,10 @@ stays small and weights can be swapped:
     <path>/params/           an Orbax checkpoint of a flat dict ``{"conv1/kernel": array}``
     <path>/signature.json    inputs, outputs, platforms, step, versions, checksums
 
+An adapters-only artifact (``adapter_export.py``) has the same files, but ``params/``
+holds LoRA adapters alone and ``signature.json`` names the base artifact whose
+arrays the program takes, by the digest of its ``param_arrays``.
+
 Does not own loading (``artifact.py``) nor serving over HTTP (``server.py``).
 """
 
@@ -34,6 +38,8 @@ from estimax.state import leaf_names
 PROGRAM, PARAMS, SIGNATURE = "model.jaxexport", "params", "signature.json"
 PLATFORMS = ("cpu", "cuda", "tpu")
 FORMAT = "estimax.export/1"
+# LoRA adapters alone, run on the parameters of a base artifact (``adapter_export.py``).
+ADAPTERS_FORMAT = "estimax.adapters/1"
 BATCH = "b"
 # Names of an input or output that is one array rather than a dict of arrays.
 SINGLE_INPUT, SINGLE_OUTPUT = "features", "predictions"
@@ -46,6 +52,13 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
 
     ``features``: per-example ``ShapeDtypeStruct``s (``plan.feature_spec``), a dict or one array.
     """
+    path = target(path)
+    arrays, program, signature = build(core, state, features, platforms)
+    return write(path, program, arrays, signature)
+
+
+def target(path: str) -> str:
+    """``path`` resolved and checked (``check_target``), in a single process."""
     if jax.process_count() > 1:
         raise ServingError(
             f"export() runs in one process; this is process {jax.process_index()} of {jax.process_count()}. "
@@ -54,6 +67,11 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
         )
     path = storage.resolve(path)
     check_target(path)
+    return path
+
+
+def build(core, state, features, platforms=PLATFORMS) -> tuple[dict, bytes, dict]:
+    """``(arrays, program, signature)`` of ``state``: the program traced and serialized, nothing written."""
     inputs = named(features, SINGLE_INPUT, "features")
     arrays, program_fn, single_output = flat_program(core, state, isinstance(features, dict))
     exported = _trace(core.model_fn, program_fn, arrays, inputs, platforms)
@@ -77,15 +95,25 @@ def export(core, state, path: str, features, *, platforms=PLATFORMS) -> str:
         "versions": {"jax": jax.__version__, "jaxlib": _jaxlib_version(), "estimax": _estimax_version()},
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
+    return arrays, program, signature
 
-    def write(directory: str) -> None:
+
+def write(path: str, program: bytes, arrays: dict[str, np.ndarray], signature: dict) -> str:
+    """The program, ``arrays`` (``params/``) and ``signature`` published at ``path`` at once."""
+
+    def write_into(directory: str) -> None:
         with open(os.path.join(directory, PROGRAM), "wb") as f:
             f.write(program)
         save_params(os.path.join(directory, PARAMS), arrays)
         with open(os.path.join(directory, SIGNATURE), "w") as f:
             f.write(_readable_json(signature))
 
-    return publish(path, write)
+    return publish(path, write_into)
+
+
+def params_digest(param_arrays: dict) -> str:
+    """One sha256 over a signature's ``param_arrays`` (each array's name, dtype, shape and sha256)."""
+    return hashlib.sha256(json.dumps(param_arrays, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def publish(path: str, write) -> str:

@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="an exported model directory (estimax export --output PATH), or an export base: a directory whose "
         "integer-named subdirectories are exported versions (BASE/<step>/), followed as new ones appear",
     )
+    parser.add_argument(
+        "--base-artifact",
+        metavar="DIR",
+        help="an adapters-only export (estimax export --base-artifact): where its base export is now (default: "
+        "the path recorded at export, then the same place relative to PATH)",
+    )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default: {DEFAULT_PORT}")
     parser.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (0.0.0.0: every interface)")
     parser.add_argument("--name", help="the model name in /v1/models/NAME (default: the directory's name)")
@@ -133,13 +139,20 @@ def main(args: argparse.Namespace) -> int:
     name = args.name or default_name(path)
     options = Options(name, args.host, args.port, max_body, args.poll_seconds, args.num_versions)
     if versions_.is_base(path):
+        if args.base_artifact:
+            print(
+                f"estimax serve {path} --base-artifact {args.base_artifact}: PATH is an export base; expected "
+                "one adapters-only export with --base-artifact (a base's versions find their base themselves).",
+                file=sys.stderr,
+            )
+            return 2
         asyncio.run(serve(path, None, batching, options))
         return 0
     from estimax.serving import artifact
     from estimax.serving.batching import calibrate
 
     try:
-        model = artifact.load(path)
+        model = artifact.load(path, args.base_artifact)
     except ValueError as error:
         print(f"estimax serve: {error}", file=sys.stderr)
         return 2

@@ -61,11 +61,24 @@ def use_one_client() -> None:
     Python clients read, on every store access. A variable already set is kept.
     """
     os.environ.setdefault("EPATH_USE_TF", "false")
-    host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host:
-        endpoint = host if "://" in host else f"http://{host}"
+    endpoint = _emulator_endpoint()
+    if endpoint:
         for variable in EMULATOR_VARIABLES:
             os.environ.setdefault(variable, endpoint)
+
+
+def _emulator_endpoint() -> str | None:
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    return (host if "://" in host else f"http://{host}") if host else None
+
+
+def quiet_tensorstore(path: str) -> None:
+    """Keeps TensorStore's credentials line off the console when ``path`` is on the GCS emulator (its
+    endpoint is ``STORAGE_EMULATOR_HOST``'s, which takes anonymous requests); on real GCS it stays."""
+    endpoint = _emulator_endpoint()
+    if scheme(path) == "gs" and endpoint and os.environ.get(EMULATOR_VARIABLES[0]) == endpoint:
+        client_options()  # before TensorStore's first request: it reads its variables once
+        noise.quiet_tensorstore_credentials(path.split("/")[2])
 
 
 def deadline_seconds() -> float:
