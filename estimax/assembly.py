@@ -57,6 +57,11 @@ class Parts:
     trainable: freezing.FreezePlan | None = None  # what trains at each phase of RunConfig(freeze=...)
     merged: Callable | None = None  # under LoRA: state -> (the base model's Core, state with adapters merged)
 
+    def exportable(self, state) -> tuple:
+        """``(core, state)`` an artifact is written from: under LoRA, the base with the adapters merged
+        into it (one artifact, no adapters)."""
+        return (self.core, state) if self.merged is None else self.merged(state)
+
 
 def assemble(model, model_fn, optimizer, config, params: dict, warm_start, host_metrics) -> Parts:
     """The parts of ``Estimator(model, model_fn, optimizer, config, params, warm_start, host_metrics)``;

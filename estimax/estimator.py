@@ -20,7 +20,6 @@ from estimax import follow as follow_lib
 from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
 from estimax.data.plan import InputPlan
-from estimax.errors import ConfigError
 from estimax.fine_tuning import lora as lora_lib
 from estimax.fine_tuning.warm_start import WarmStart
 from estimax.fingerprint import Computation
@@ -314,7 +313,7 @@ class Estimator:
             evaluate=lambda state: self._evaluations.one_set(None, input, state),
             best=best,
             export=lambda state, path: export_lib.export(
-                *self._exportable(state), path, self._plan.export_features(None)
+                *self._parts.exportable(state), path, self._plan.export_features(None)
             ),
             export_base=export,
         )
@@ -373,34 +372,18 @@ class Estimator:
                 trained on: the artifact then holds the adapters alone and names that base by
                 its checksums (``estimax.serving.load(path)`` finds and checks it).
         """
-        if format not in ("jax", "tf_saved_model"):
-            raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
-        if base_artifact is not None and (self._parts.merged is None or format != "jax"):
-            raise ConfigError(
-                f"export(base_artifact={base_artifact!r}, format={format!r}) with RunConfig(lora="
-                f"{self.config.lora!r}); expected a LoRA run exported as 'jax': only adapters go on a base. "
-                "Fix: leave base_artifact out for a whole artifact."
-            )
+        export_lib.check_format(format, base_artifact, self.config.lora)
         features = self._plan.export_features(example_features)
         state = self._at(checkpoint, "export")
         if base_artifact is not None:
-            core, base = self._parts.merged(state, merge=False)
-            adapters = lora_lib.split_params(state.params)[1]
-            rules = lora_lib.merge_rules(state.params, self.config.lora)
+            core, base, adapters, rules = lora_lib.adapters_on_base(self._parts.merged, state, self.config.lora)
             return adapter_export.export(core, base, path, features, base_artifact, adapters, rules)
-        core, state = self._exportable(state)
+        core, state = self._parts.exportable(state)
         if format == "tf_saved_model":
             from estimax.serving import export_tf
 
             return export_tf.export(core, state, path, features)
         return export_lib.export(core, state, path, features)
-
-    def _exportable(self, state) -> tuple:
-        """``(core, state)`` an artifact is written from: under LoRA, the base with the adapters merged
-        into it (one artifact, no adapters)."""
-        if self._parts.merged is not None:
-            return self._parts.merged(state)
-        return self._parts.core, state
 
     def save_adapters(self, path: str, *, checkpoint: int | str | None = None) -> str:
         """Writes the LoRA adapters alone to ``path`` (``.npz``; local or a store URL); returns it.

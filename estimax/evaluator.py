@@ -22,8 +22,8 @@ from collections.abc import Callable, Iterator
 import jax
 
 from estimax import counting, eval_sets
+from estimax import mesh as mesh_lib
 from estimax import metrics as metrics_lib
-from estimax import predictions as predictions_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
 from estimax.errors import EstimaxError, EvaluationError, InputError, one_line
@@ -139,7 +139,7 @@ class Evaluator:
 
     def predict(self, input, state, gather: bool) -> Iterator:
         """One prediction per example, in input order (see ``Estimator.predict``)."""
-        rows = predictions_lib.gathered_rows if gather and jax.process_count() > 1 else predictions_lib.rows
+        rows = mesh_lib.gathered_rows if gather and jax.process_count() > 1 else mesh_lib.rows
         pending, step = None, int(jax.device_get(state.step))
         device_batches = self.plan.eval_batches(input, PREDICT)
         with feed.Prefetch(device_batches) as device_batches:

@@ -3,14 +3,15 @@
 Owns building the mesh over every device of every process (a 1-D ``data``
 mesh by default, or named axes with sizes), which axes split the batch
 (``data`` and ``fsdp``; every other axis is a model axis), the batch
-shardings, and the host-local <-> global array steps. Which batch sizes
+shardings, the host-local <-> global array steps, and a predicted batch as per-example host
+rows (this process's, or every process's on process 0, in input order). Which batch sizes
 divide the batch axes is ``data/plan.py``'s rule. Where the state lives is ``layout.py``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
@@ -125,3 +126,26 @@ def to_host_local(x) -> np.ndarray:
         return jax.device_get(x)
     blocks = {s.index[0].start or 0: s for s in x.addressable_shards}
     return np.concatenate([jax.device_get(blocks[start].data) for start in sorted(blocks)])
+
+
+def rows(predictions, num_valid: int) -> Iterator:
+    """This process's valid rows of one predicted global batch, in order."""
+    host = jax.tree.map(to_host_local, predictions)  # host sync: this batch is done
+    for i in range(num_valid):
+        yield jax.tree.map(lambda x, i=i: x[i], host)
+
+
+def gathered_rows(predictions, num_valid: int) -> Iterator:
+    """Every process's rows of one batch on process 0, in input order (shards ``i::n``)."""
+    from jax.experimental import multihost_utils
+
+    # host sync: a collective of every process; each global batch is the processes' host batches in order
+    host = multihost_utils.process_allgather(predictions, tiled=True)
+    valid = multihost_utils.process_allgather(np.int32(num_valid))
+    if jax.process_index() != 0:
+        return
+    count, host_batch = len(valid), len(jax.tree.leaves(host)[0]) // len(valid)
+    for row in range(host_batch):  # local row r of process p is example r * count + p of the batch
+        for process in range(count):
+            if row < valid[process]:
+                yield jax.tree.map(lambda x, i=process * host_batch + row: x[i], host)

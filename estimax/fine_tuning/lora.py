@@ -214,3 +214,10 @@ def merged(base_adapter, state, settings: LoRA, merge: bool = True):
     abstract = jax.eval_shape(base_adapter.init)[0]
     leaves = [arrays[n] for n in leaf_names(abstract)]
     return state._replace(params=jax.tree.unflatten(jax.tree.structure(abstract), leaves), opt_state=None)
+
+
+def adapters_on_base(merged, state, settings: LoRA) -> tuple:
+    """What an adapter-only export writes: ``(core, base state, adapters, merge rules)``, where ``merged``
+    is the run's ``state -> (base Core, state)`` and the base state keeps the base's own kernels."""
+    core, base = merged(state, merge=False)
+    return core, base, split_params(state.params)[1], merge_rules(state.params, settings)

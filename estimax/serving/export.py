@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from estimax import storage
-from estimax.errors import InputKindError, ServingError, SpecError
+from estimax.errors import ConfigError, InputKindError, ServingError, SpecError
 from estimax.state import leaf_names
 
 PROGRAM, PARAMS, SIGNATURE = "model.jaxexport", "params", "signature.json"
@@ -265,3 +265,16 @@ def _estimax_version() -> str:
         return importlib.metadata.version("estimax")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def check_format(format: str, base_artifact: str | None, lora) -> None:
+    """``export(format=, base_artifact=)`` checked before anything is traced: adapters go alone only on a
+    base, only as ``"jax"``, and only from a LoRA run (``lora``: its ``RunConfig.lora``)."""
+    if format not in ("jax", "tf_saved_model"):
+        raise ConfigError(f"export(format={format!r}); expected 'jax' (the default) or 'tf_saved_model'.")
+    if base_artifact is not None and (lora is None or format != "jax"):
+        raise ConfigError(
+            f"export(base_artifact={base_artifact!r}, format={format!r}) with RunConfig(lora={lora!r}); "
+            "expected a LoRA run exported as 'jax': only adapters go on a base. "
+            "Fix: leave base_artifact out for a whole artifact."
+        )
