@@ -58,7 +58,7 @@ class RunConfig:
       seed: seeds parameter initialisation, dropout and shuffling.
       log_every_steps: a train log line is written when a multiple is crossed.
       checkpoint: when checkpoints are saved and kept (``CheckpointPolicy``).
-      tensorboard: write TensorBoard event files to ``<model_dir>/tensorboard``
+      tensorboard: write TensorBoard event files into ``<model_dir>``, one TensorBoard run
         (every step's scalars; no extra library: TensorBoard itself only views them).
       quiet: no progress bar and no train log lines (warnings, evaluations and
         files still appear).

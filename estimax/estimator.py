@@ -296,7 +296,7 @@ class Estimator:
 
         Args:
             input: the input to evaluate (``estimax.data``).
-            name: the evaluation set's name: records, TensorBoard run and hold are named after it.
+            name: the evaluation set's name: records, TensorBoard tags and hold are named after it.
             best: which evaluation is the best (``estimax.Best``): its checkpoint is kept in
                 ``<model_dir>/evaluations/<name>-best``.
             export: an ``estimax.serving.ExportBase``: the best (or every) checkpoint exported to

@@ -54,7 +54,7 @@ def check_name(name, what: str = "eval_input") -> None:
     if not _NAME.fullmatch(name):
         raise ConfigError(
             f"{what} has the set name {name!r}; expected letters, digits, '_', '-' or '.' (not first), which name "
-            "its TensorBoard run and its records. Fix: e.g. 'val', 'test_2024' or 'wiki.en'."
+            "its TensorBoard tags and its records. Fix: e.g. 'val', 'test_2024' or 'wiki.en'."
         )
 
 

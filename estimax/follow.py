@@ -3,8 +3,8 @@
 A ``Follower`` waits for the run's checkpoints (polling every ``poll_seconds``), evaluates each
 committed step it has not evaluated yet through the Estimator's evaluation (restored into its
 own mesh, whatever the trainer's), and writes one record per step to
-``<model_dir>/evaluations/<set>.jsonl`` and TensorBoard's ``tensorboard/<set>/``: files of its
-own, never the trainer's. Its records are its progress: a follower started again carries on
+``<model_dir>/evaluations/<set>.jsonl`` and the run's TensorBoard run (tags ``<set>/...``):
+files of its own, never the trainer's. Its records are its progress: a follower started again carries on
 after the last step they name, including the steps committed while it was down. It holds the
 steps it has not read (``holds.py``), so that the trainer's keep-N does not delete them first.
 It ends once the trainer's last call ended normally (``RunDir.ended``) and its last checkpoint
@@ -144,7 +144,7 @@ class Follower:
     Args:
       run_dir: the run's ``RunDir``.
       work: what is done with each step (``Work``).
-      name: the evaluation set: its records file, TensorBoard run and hold are named after it.
+      name: the evaluation set: its records file, TensorBoard tags and hold are named after it.
       policy: a ``FollowPolicy``.
       sync: the group's ``Sync``: process 0's decision of each step on every process.
     """
@@ -185,7 +185,7 @@ class Follower:
             "Following %s for %r%s from step %d: every %g s.", self.run_dir.url, self.name,
             " (the newest only)" if self.policy.newest_only else "", done + 1, self.policy.poll_seconds,
         )  # fmt: skip
-        tensorboard = TensorBoardWriter(self.run_dir.path("tensorboard")) if self.primary else None
+        tensorboard = TensorBoardWriter(self.run_dir.tensorboard_dir) if self.primary else None
         with hold.keep_alive() if hold else contextlib.nullcontext():
             while True:
                 if hold:

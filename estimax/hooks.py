@@ -104,7 +104,7 @@ class EvalRecord:
     """An evaluation of the state at ``step`` on ``split``.
 
     ``model()``: that state's model in its framework's form (as ``LoopRecord.model``);
-    ``summaries``: images, histograms, text at ``step`` (``Summaries``), by default into ``split``'s run.
+    ``summaries``: images, histograms, text at ``step`` (``Summaries``), by default under ``split``'s tags.
     """
 
     step: int

@@ -1,5 +1,6 @@
 """Named evaluation sets: each set evaluated exactly, recorded under its name, and Best deciding by one."""
 
+import io
 import json
 import os
 import re
@@ -80,12 +81,24 @@ def _records(model_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def _tensorboard(model_dir: str, run: str):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def _tensorboard(model_dir: str):
+    """The model_dir's TensorBoard runs as TensorBoard's own multiplexer finds them (run name: reader)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-    events = EventAccumulator(os.path.join(model_dir, "tensorboard", run), size_guidance={"scalars": 0})
-    events.Reload()
-    return events
+    runs = EventMultiplexer(size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    runs.AddRunsFromDirectory(model_dir).Reload()
+    return {name: runs.GetAccumulator(name) for name in runs.Runs()}
+
+
+class SetPicture(ex.Hook):
+    """After each evaluation, an image of the set's name and step: the tag is the hook's, the split the set's."""
+
+    def after_eval(self, evaluation):
+        evaluation.summaries.image("picture", picture(evaluation.split, evaluation.step))
+
+
+def picture(split: str, step: int) -> np.ndarray:
+    return np.full((2, 3), (len(split) * 16 + step) % 256, np.uint8)
 
 
 def test_each_set_equals_its_reference_and_one_input_is_unchanged(model_dir):
@@ -116,28 +129,60 @@ def test_one_named_set_evaluated_on_a_given_state_and_recorded_under_its_name(mo
 
 
 def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(model_dir, estimax_log):
+    from PIL import Image
+    from tensorboard.plugins.custom_scalar import layout_pb2
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
     sets = {"val": ex.data.from_arrays(*VAL), "test": ex.data.from_arrays(*TEST)}
     est = make_estimator(model_dir, tensorboard=True, steps_per_loop=2, log_every_steps=2)
-    final = est.train_and_evaluate(ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4)
+    final = est.train_and_evaluate(
+        ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4, hooks=[SetPicture()]
+    )
     assert set(final) == {"val", "test"}
     assert est.compiled().eval_step == 1  # sets of one feature shape share the evaluation program
     _check_equal(final["val"], reference(VAL))
     _check_equal(final["test"], reference(TEST))
     records = _records(model_dir)
+    runs = _tensorboard(model_dir)
+    assert list(runs) == ["."]  # the training is one TensorBoard run: the model_dir itself
+    events = runs["."]
+    tags = events.Tags()
+    assert {tag.split("/")[0] for tag in tags["scalars"]} == {"train", "eval_val", "eval_test"}
+    assert sorted(tags["images"]) == ["eval_test/picture", "eval_val/picture"]
+    train = [r for r in records if r["split"] == "train"]
+    losses = [e.value for e in events.Scalars("train/loss")]
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 9))  # every step
+    assert [r["step"] for r in train] == [2, 4, 6, 8]  # each log line: the mean of the steps since the last
+    assert [r["loss"] for r in train] == pytest.approx([np.mean(losses[i : i + 2]) for i in (0, 2, 4, 6)], rel=1e-5)
     for name, data in (("val", VAL), ("test", TEST)):
         mine = [r for r in records if r["split"] == f"eval_{name}"]
         assert [r["step"] for r in mine] == [4, 8] and all(r["set"] == name for r in mine)
         for record in mine:
             _check_equal(record, reference(data))
-        events = _tensorboard(model_dir, f"eval_{name}")  # TensorBoard's own reader, one run per set
-        for tag in ("accuracy", "loss"):
-            assert [e.step for e in events.Scalars(tag)] == [4, 8]
-            for event, record in zip(events.Scalars(tag), mine, strict=True):
+        for tag in ("accuracy", "loss"):  # TensorBoard's own reader: the set's tags in the one run
+            assert [e.step for e in events.Scalars(f"eval_{name}/{tag}")] == [4, 8]
+            for event, record in zip(events.Scalars(f"eval_{name}/{tag}"), mine, strict=True):
                 assert event.value == pytest.approx(record[tag], rel=1e-6, abs=1e-6)
-        assert [e.step for e in events.Scalars("num_examples")] == [4, 8]
-        assert events.Scalars("num_examples")[0].value == len(data[1])
-    assert not [r for r in records if r["split"] == "eval"]  # no unnamed run: nothing under plain "eval"
-    assert not os.path.exists(os.path.join(model_dir, "tensorboard", "eval"))
+        assert [e.step for e in events.Scalars(f"eval_{name}/num_examples")] == [4, 8]
+        assert events.Scalars(f"eval_{name}/num_examples")[0].value == len(data[1])
+        images = events.Images(f"eval_{name}/picture")
+        assert [i.step for i in images] == [4, 8]
+        for image in images:
+            decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)))
+            np.testing.assert_array_equal(decoded, picture(f"eval_{name}", image.step))
+    (content,) = events.PluginTagToContent("hparams").values()  # the HPARAMS tab's session: this run
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert (hparams["classes"].number_value, hparams["train_batch_size"].number_value) == (C, 16)
+    assert not [r for r in records if r["split"] == "eval"]  # no unnamed set: nothing under plain "eval"
+    assert not [tag for tag in tags["scalars"] if tag.startswith("eval/")]
+    # The CUSTOM SCALARS tab: per metric evaluated, one chart of it in every split (its tags by regex).
+    layout = layout_pb2.Layout.FromString(events.Tensors("custom_scalars__config__")[-1].tensor_proto.string_val[0])
+    (category,) = layout.category
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert sorted(charts) == ["accuracy", "loss"]
+    for metric, (pattern,) in charts.items():
+        matched = sorted(tag for tag in tags["scalars"] if re.search(pattern, tag))
+        assert matched == [f"eval_test/{metric}", f"eval_val/{metric}", f"train/{metric}"]
     summary = [r for r in records if r["split"] == "summary"][-1]
     assert summary["val/accuracy"] == final["val"]["accuracy"] and summary["test/num_examples"] == 37
     lines = [r.getMessage() for r in estimax_log.records]

@@ -72,6 +72,23 @@ def _check_against_reference(model_dir: str, records: list[dict]) -> None:
             assert math.isclose(record[name], reference[name], rel_tol=1e-5), (record, reference)
 
 
+def _check_tensorboard(model_dir: str, records: list[dict], trained_to: int) -> None:
+    """The run is one TensorBoard run, as TensorBoard's own reader reads it: the trainers' every step once
+    and the follower's evaluations (its files beside theirs) at the steps and with the values it recorded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    if not storage.is_url(model_dir):
+        runs = EventMultiplexer().AddRunsFromDirectory(model_dir)
+        assert list(runs.Runs()) == ["."]
+    events = EventAccumulator(model_dir, size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, trained_to + 1))
+    for name in ("loss", "accuracy"):
+        evaluated = [(e.step, e.value) for e in events.Scalars(f"eval/{name}")]
+        assert evaluated == [(r["step"], pytest.approx(r[name], rel=1e-6)) for r in records]
+
+
 def _wait_for_records(model_dir: str, count: int, process: subprocess.Popen) -> None:
     while not (storage.exists(f"{model_dir}/evaluations/eval.jsonl") and len(_records(model_dir)) >= count):
         assert process.poll() is None, process.communicate()
@@ -90,9 +107,9 @@ def test_every_checkpoint_is_evaluated_once_in_order_though_the_trainer_keeps_on
     assert [r["step"] for r in records] == [2, 4, 6, 8, 10], records
     assert json.loads(out.strip().splitlines()[-1]) == records  # what follow() returned
     assert all(r["lag_seconds"] >= 0 and "skipped" not in r and "missed" not in r for r in records)
+    _check_tensorboard(model_dir, records, trained_to=10)  # before the reference's evaluations add theirs
     _check_against_reference(model_dir, records)
     assert live_floors(model_dir) == []  # released at its end
-    assert storage.listdir(f"{model_dir}/tensorboard/eval")  # its own TensorBoard run
 
 
 def test_newest_only_evaluates_the_newest_and_records_the_steps_it_skipped(tmp_path):
@@ -153,6 +170,7 @@ def test_a_preempted_and_resumed_trainer_is_followed_to_its_end(tmp_path):
     records = _records(model_dir)
     steps = [r["step"] for r in records]
     assert steps == list(range(2, 15, 2)), records  # each once, the preempted call's and the resumed one's
+    _check_tensorboard(model_dir, records, trained_to=14)  # the resumed call's start dropped none of its
     _check_against_reference(model_dir, records)
 
 

@@ -106,9 +106,9 @@ def test_s3_model_dir_trains_keeps_n_heals_resumes_bitwise_evaluates_exports_and
     assert [r["step"] for r in records if r["split"] == "train"] == [4, 8, 12, 16, 20, 24]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(f"{url}/tensorboard/train", size_guidance={"scalars": 0})
+    events = EventAccumulator(url, size_guidance={"scalars": 0})
     events.Reload()
-    assert sorted({e.step for e in events.Scalars("loss")}) == list(range(1, 25))
+    assert sorted({e.step for e in events.Scalars("train/loss")}) == list(range(1, 25))
 
     reader = store_estimator(url)
     assert reader.step == 24

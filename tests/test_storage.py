@@ -78,9 +78,9 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     assert [r["step"] for r in records if r["split"] == "train"] == [8, 16, 24, 32]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(f"{url}/tensorboard/train", size_guidance={"scalars": 0})
+    events = EventAccumulator(url, size_guidance={"scalars": 0})
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == list(range(1, 33))
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 33))
 
     reader = store_estimator(url)
     assert reader.step == 32

@@ -2,7 +2,6 @@
 read back by TensorBoard's own reader."""
 
 import io
-import os
 
 import numpy as np
 import pytest
@@ -11,12 +10,11 @@ from models import blobs, estimator
 import estimax as ex
 
 
-def _events(model_dir, split):
+def _events(model_dir):
+    """The run's TensorBoard run: the event files in the model_dir itself."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(
-        os.path.join(model_dir, "tensorboard", split), size_guidance={"images": 0, "tensors": 0, "histograms": 0}
-    )
+    events = EventAccumulator(model_dir, size_guidance={"images": 0, "tensors": 0, "histograms": 0})
     events.Reload()
     return events
 
@@ -50,15 +48,15 @@ def test_a_hook_logs_the_model_s_kernel_as_an_image_histogram_and_text_after_eac
         np.testing.assert_array_equal(kernel, np.asarray(est.model(checkpoint=step).l1.kernel[...]))
     assert not np.array_equal(hook.kernels[8], hook.kernels[16])
 
-    events = _events(model_dir, "eval")
-    images = events.Images("l1_kernel")
+    events = _events(model_dir)
+    images = events.Images("eval/l1_kernel")  # the hook's tag under the evaluation's split
     assert [i.step for i in images] == [8, 16] and (images[0].width, images[0].height) == (32, 6)
     for image in images:
         kernel = hook.kernels[image.step]
         expected = np.round((kernel - kernel.min()) / (kernel.max() - kernel.min()) * 255).astype(np.uint8)
         decoded = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)))
         np.testing.assert_array_equal(decoded, expected)
-    histograms = events.Histograms("l1_kernel")
+    histograms = events.Histograms("eval/l1_kernel")
     assert [h.step for h in histograms] == [8, 16]
     for histogram in histograms:
         kernel, h = hook.kernels[histogram.step].astype(np.float64), histogram.histogram_value
@@ -67,11 +65,11 @@ def test_a_hook_logs_the_model_s_kernel_as_an_image_histogram_and_text_after_eac
         assert h.sum == pytest.approx(kernel.sum()) and h.sum_squares == pytest.approx(np.square(kernel).sum())
         np.testing.assert_array_equal(h.bucket, counts)
         np.testing.assert_allclose(h.bucket_limit, edges[1:])
-    texts = events.Tensors("note")
+    texts = events.Tensors("eval/note")
     assert [t.step for t in texts] == [8, 16]
     assert texts[0].tensor_proto.string_val[0].decode().startswith("accuracy **")
-    assert events.PluginTagToContent("text") == {"note": b""}
-    assert "accuracy" in _events(model_dir, "eval").Tags()["scalars"]  # beside the evaluation's scalars
+    assert events.PluginTagToContent("text") == {"eval/note": b""}
+    assert "eval/accuracy" in events.Tags()["scalars"]  # beside the evaluation's scalars
 
 
 def test_a_matplotlib_figure_is_an_image_in_tensorboard(model_dir):
@@ -95,7 +93,7 @@ def test_a_matplotlib_figure_is_an_image_in_tensorboard(model_dir):
         eval_every_steps=4,
         hooks=[Figure()],
     )
-    (image,) = _events(model_dir, "eval").Images("loss_plot")
+    (image,) = _events(model_dir).Images("eval/loss_plot")
     assert (image.step, image.width, image.height) == (4, 100, 50)
     assert image.encoded_image_string.startswith(b"\x89PNG")
 
@@ -163,12 +161,12 @@ def test_hooks_is_a_submodule_of_the_package():
     assert ex.hooks.Hook is ex.Hook and ex.hooks.EarlyStopping is ex.EarlyStopping
 
 
-def test_a_run_s_hyper_parameters_are_in_tensorboard_s_hparams_tab_beside_its_splits(model_dir):
+def test_a_run_s_hyper_parameters_are_in_tensorboard_s_hparams_tab_in_the_run_of_its_curves(model_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     estimator(model_dir, tensorboard=True, lr=0.05, dropout=0.25).train(ex.data.from_arrays(*blobs(128)), max_steps=4)
-    events = EventAccumulator(os.path.join(model_dir, "tensorboard"))
+    events = EventAccumulator(model_dir)
     events.Reload()
     (content,) = events.PluginTagToContent("hparams").values()
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
@@ -177,4 +175,4 @@ def test_a_run_s_hyper_parameters_are_in_tensorboard_s_hparams_tab_beside_its_sp
         "dropout": "number_value", "classes": "number_value",
     }  # fmt: skip
     assert (hparams["train_batch_size"].number_value, hparams["dropout"].number_value) == (32, 0.25)
-    assert "loss" in _events(model_dir, "train").Tags()["scalars"]  # the splits' runs are where they were
+    assert "train/loss" in events.Tags()["scalars"]  # one run: the tab shows its curves against them

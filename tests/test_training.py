@@ -67,19 +67,19 @@ def test_writers_metrics_file_and_tensorboard_read_back(model_dir):
     for key in ("loss", "accuracy", "grad_norm", "learning_rate", "steps_per_sec", "examples_per_sec"):
         assert key in train[1], key
     np.testing.assert_allclose(train[0]["learning_rate"], 0.1 * (1 - 3.5 / 24), rtol=1e-5)  # mean of steps 0-7
-    events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"))
+    events = EventAccumulator(model_dir)  # the run's one TensorBoard run: every split's tags
     events.Reload()
-    assert {"loss", "grad_norm", "learning_rate", "steps_per_sec"} <= set(events.Tags()["scalars"])
+    assert {"train/loss", "train/grad_norm", "train/learning_rate", "train/steps_per_sec"} <= set(
+        events.Tags()["scalars"]
+    )
     # Every step's scalars at that step; throughput at the log points.
-    assert [e.step for e in events.Scalars("loss")] == list(range(1, 25))
-    assert [e.step for e in events.Scalars("learning_rate")] == list(range(1, 25))
-    assert events.Scalars("learning_rate")[0].value == pytest.approx(0.1, rel=1e-6)
-    window = np.mean([e.value for e in events.Scalars("loss")[16:]])
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, 25))
+    assert [e.step for e in events.Scalars("train/learning_rate")] == list(range(1, 25))
+    assert events.Scalars("train/learning_rate")[0].value == pytest.approx(0.1, rel=1e-6)
+    window = np.mean([e.value for e in events.Scalars("train/loss")[16:]])
     assert window == pytest.approx(train[2]["loss"], rel=1e-5)  # the log line is the mean of its steps
-    assert [e.step for e in events.Scalars("steps_per_sec")] == [8, 16, 24]
-    evaluation = EventAccumulator(os.path.join(model_dir, "tensorboard", "eval"))
-    evaluation.Reload()
-    assert evaluation.Scalars("accuracy")[0].step == 24
+    assert [e.step for e in events.Scalars("train/steps_per_sec")] == [8, 16, 24]
+    assert events.Scalars("eval/accuracy")[0].step == 24
 
 
 def test_train_and_evaluate_alternates_without_recompiling(model_dir):
@@ -237,13 +237,13 @@ def test_tensorboard_has_every_step_of_a_200_step_run(model_dir):
     estimator(model_dir, steps_per_loop=50, log_every_steps=100, tensorboard=True).train(
         DATA, max_steps=200, hooks=[losses]
     )
-    events = EventAccumulator(os.path.join(model_dir, "tensorboard", "train"), size_guidance={"scalars": 0})
+    events = EventAccumulator(model_dir, size_guidance={"scalars": 0})
     events.Reload()
-    loss = events.Scalars("loss")
+    loss = events.Scalars("train/loss")
     assert [e.step for e in loss] == list(range(1, 201))
     np.testing.assert_allclose([e.value for e in loss], losses.losses, rtol=1e-6)  # each step's own loss
     # The gradient norm is measured on each loop's last step under a scan (every step when stepping).
-    norms = events.Scalars("grad_norm")
+    norms = events.Scalars("train/grad_norm")
     assert {50, 100, 150, 200} <= {e.step for e in norms} and all(np.isfinite(e.value) for e in norms)
     assert [r["step"] for r in _records(model_dir, "train")] == [100, 200]  # the file keeps its cadence
 

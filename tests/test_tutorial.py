@@ -33,9 +33,9 @@ def test_the_tutorial_runs_in_a_kernel_twice_with_a_progress_bar_and_a_plot(tmp_
     assert "\rtrain: 100%|" in stderr and "train step" not in stderr and "loop=auto" not in stderr
     assert "eval step 300  accuracy" in stderr and "Done at step 300" in stderr
 
-    events = EventAccumulator(str(tmp_path / "runs" / "tutorial" / "tensorboard" / "eval"), {"images": 0})
+    events = EventAccumulator(str(tmp_path / "runs" / "tutorial"), {"images": 0})  # the run's one TensorBoard run
     events.Reload()
-    assert [image.step for image in events.Images("hidden_units")] == [100, 200, 300]
+    assert [image.step for image in events.Images("eval/hidden_units")] == [100, 200, 300]
 
     # Again, in a new kernel: the run is found at its last step; it is evaluated, plotted and exported again.
     stdout, stderr, images = _execute(str(tmp_path / "tutorial.ipynb"), str(tmp_path))

@@ -50,13 +50,12 @@ def test_event_files_read_back_with_tensorboard(tmp_path):
     )
     writer.write("eval", 3, {"accuracy": 0.75, "num_examples": 96.0})
     writer.close()
-    train = EventAccumulator(str(tmp_path / "train"))
-    train.Reload()
-    assert [(e.step, e.value) for e in train.Scalars("loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
-    assert [(e.step, e.value) for e in train.Scalars("grad_norm")] == [(3, 7.0)]  # sampled: measured once
-    evaluation = EventAccumulator(str(tmp_path / "eval"))
-    evaluation.Reload()
-    assert [(e.step, e.value) for e in evaluation.Scalars("accuracy")] == [(3, 0.75)]
+    run = EventAccumulator(str(tmp_path))  # one run: every split's tags named after it
+    run.Reload()
+    assert sorted(run.Tags()["scalars"]) == ["eval/accuracy", "eval/num_examples", "train/grad_norm", "train/loss"]
+    assert [(e.step, e.value) for e in run.Scalars("train/loss")] == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert [(e.step, e.value) for e in run.Scalars("train/grad_norm")] == [(3, 7.0)]  # sampled: measured once
+    assert [(e.step, e.value) for e in run.Scalars("eval/accuracy")] == [(3, 0.75)]
 
 
 def test_encoded_events_equal_the_protobuf_messages():
@@ -121,14 +120,14 @@ def test_loops_encoded_at_the_flush_read_back_as_every_step_in_order(tmp_path, m
             writer.write("train", first + 49, {"steps_per_sec": 10.0 * n})
     clock[0] = 2000.0
     writer.close()
-    train = EventAccumulator(str(tmp_path / "train"), size_guidance={"scalars": 0})
+    train = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     train.Reload()
     steps = [s for first in firsts for s in range(first, first + 50)]
-    assert [(e.step, e.value) for e in train.Scalars("loss")] == list(zip(steps, loss.tolist(), strict=True))
-    assert [e.wall_time for e in train.Scalars("loss")] == [1000.0 + n for n in range(5) for _ in range(50)]
-    assert [(e.step, e.value) for e in train.Scalars("grad_norm")] == expected_norms
-    assert [e.wall_time for e in train.Scalars("grad_norm")] == [1000.0 + n for n in range(5)]
-    assert [(e.step, e.value) for e in train.Scalars("steps_per_sec")] == [(100, 10.0), (200, 30.0)]
+    assert [(e.step, e.value) for e in train.Scalars("train/loss")] == list(zip(steps, loss.tolist(), strict=True))
+    assert [e.wall_time for e in train.Scalars("train/loss")] == [1000.0 + n for n in range(5) for _ in range(50)]
+    assert [(e.step, e.value) for e in train.Scalars("train/grad_norm")] == expected_norms
+    assert [e.wall_time for e in train.Scalars("train/grad_norm")] == [1000.0 + n for n in range(5)]
+    assert [(e.step, e.value) for e in train.Scalars("train/steps_per_sec")] == [(100, 10.0), (200, 30.0)]
 
 
 def test_metrics_records_are_continued_by_a_new_writer(tmp_path):
@@ -172,8 +171,8 @@ def _records(model_dir):
 def _event_steps(model_dir):
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
-    logdir = storage.join(model_dir, "tensorboard", "train")
-    return [e.step for name in storage.listdir(logdir) for e in EventFileLoader(storage.join(logdir, name)).Load()]
+    names = [name for name in storage.listdir(model_dir) if name.startswith(events.FILE_PREFIX)]
+    return [e.step for name in names for e in EventFileLoader(storage.join(model_dir, name)).Load()]
 
 
 def _written(model_dir, step):
@@ -205,7 +204,6 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
     if store == "gs":
         request.getfixturevalue("gcs")
         model_dir = f"gs://bkt/history-{tmp_path.name}"
-    logdir = storage.join(model_dir, "tensorboard", "train")
     process = _start([sys.executable, "-c", PAST_CHECKPOINT, model_dir], ready="past the checkpoint")
     while not _written(model_dir, 14):  # the writers' threads reach their files
         assert process.poll() is None
@@ -215,7 +213,7 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
     killed = [r for r in _records(model_dir) if r["split"] == "train"]
     assert [r["step"] for r in killed] == list(range(2, 15, 2))
     assert [r["step"] for r in _records(model_dir) if r["split"] == "eval"] == [4, 8, 12]
-    killed_events, _ = _scalars(logdir, "loss")
+    killed_events, _ = _scalars(model_dir, "train/loss")
     assert [step for step, _ in killed_events] == list(range(1, 15))
 
     resumed = estimator(model_dir, steps_per_loop=2, log_every_steps=2, save_every_steps=8, tensorboard=True)
@@ -232,11 +230,9 @@ def test_records_read_as_one_history_after_a_sigkill_and_a_resume(store, tmp_pat
         ("eval", 8),
         ("summary", 20),
     ]
-    evaluations = [
-        [step for step, _ in steps] for steps in _scalars(storage.join(model_dir, "tensorboard", "eval"), "loss")
-    ]
+    evaluations = [[step for step, _ in steps] for steps in _scalars(model_dir, "eval/loss")]
     assert evaluations == [[4, 8], [4, 8]]  # the run that resumed wrote no evaluation: its start event dropped 12
-    legacy, plugin = _scalars(logdir, "loss")
+    legacy, plugin = _scalars(model_dir, "train/loss")
     assert [step for step, _ in legacy] == [step for step, _ in plugin] == list(range(1, 21))
     assert legacy[:14] == killed_events and plugin[:14] == killed_events
     assert _event_steps(model_dir).count(13) == 2  # the killed run's events stay; the readers drop them

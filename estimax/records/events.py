@@ -7,7 +7,7 @@ dashboard reads, or a ``SessionLog.START`` that marks where a run (re)started.
 The protobuf wire format of these messages is written
 here by hand: a training loop's every-step points cost a few microseconds each,
 with no TensorFlow, tensorboardX or protobuf classes on the path. Owns the
-bytes and the file names; does not own where they go (``writers.py``).
+bytes, the tags and the file names; does not own where they go (``writers.py``).
 """
 
 from __future__ import annotations
@@ -166,6 +166,13 @@ class ScalarEncoder:
 
 
 FILE_PREFIX = "events.out.tfevents."
+
+
+def tag(split: str, name: str) -> str:
+    """The tag of ``name`` in ``split``'s part of a run: ``train/loss``, ``eval/accuracy``,
+    ``eval_<set>/accuracy`` (TensorBoard groups a run's tags by what comes before the first ``/``);
+    ``name`` itself for split ``""`` (the run's hparams)."""
+    return f"{split}/{name}" if split else name
 
 
 def file_name() -> str:

@@ -2,9 +2,10 @@
 
 A hook's records carry a ``Summaries`` (``record.summaries``): ``image``,
 ``figure`` (a Matplotlib figure), ``histogram``, ``text`` and ``scalars``
-write at the record's step into the TensorBoard run of a split (``"train"``,
-``"eval"``), through the same writer, thread and file as the run's scalars,
-so TensorBoard reads them in order with the curves. On a process other than
+write at the record's step under a split's tags (``train/...``,
+``eval/...``) of the run's TensorBoard run, through the same writer, thread
+and file as the run's scalars, so TensorBoard reads them in order with the
+curves. On a process other than
 0, without a model_dir or with ``RunConfig(tensorboard=False)``, they write
 nothing (and still check what they are given, so a mistake shows on every
 process). Owns the encoding of these values (``tensorflow.Summary.Value``:
@@ -16,13 +17,15 @@ here by hand like ``events.py``'s scalars); does not own the files
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
 from estimax.errors import InputError
+from estimax.records import events
 from estimax.records.events import _length_delimited, _varint
 
 # Field keys: (field number << 3) | wire type (0 varint, 1 64-bit, 2 length-delimited, 5 32-bit).
@@ -34,14 +37,14 @@ _NULL_TENSOR = b"\x08\x01\x12\x04\x12\x02\x08\x00"  # a float TensorProto of sha
 _SCALAR_SHAPE = b"\x12\x00"  # TensorProto.tensor_shape: a scalar
 
 
-ALL_SPLITS = ""  # the split of a record beside the splits' runs, in the TensorBoard directory itself
+ALL_SPLITS = ""  # the split of a record of the whole run (its tag not named after a split)
 
 
 class Summaries:
     """Writes images, figures, histograms, text and scalars into the run's TensorBoard files.
 
-    Each method writes at ``step`` into ``split``'s run (TensorBoard's ``train`` or ``eval``); both
-    default to the record's. ``writers``: the call's TensorBoard writers (none where this process
+    Each method writes at ``step`` under ``split``'s tags (``image("kernel")`` in ``eval``: the tag
+    ``eval/kernel``); both default to the record's. ``writers``: the call's TensorBoard writers (none where this process
     writes no files).
     """
 
@@ -59,7 +62,7 @@ class Summaries:
 
     def image(self, tag: str, image, split: str | None = None, step: int | None = None) -> None:
         """``image``: ``(height, width)``, ``(height, width, 1|3|4)``; uint8, or floats in [0, 1]."""
-        self._write_value(split, step, _value(tag, _IMAGE, _image(tag, image)))
+        self._write_value(split, step, _value(self._tag(split, tag), _IMAGE, _image(tag, image)))
 
     def figure(self, tag: str, figure, split: str | None = None, step: int | None = None) -> None:
         """A Matplotlib figure, as a PNG image (the figure is not closed)."""
@@ -67,29 +70,35 @@ class Summaries:
             buffer = io.BytesIO()
             figure.savefig(buffer, format="png")
             width, height = (int(round(x)) for x in figure.get_size_inches() * figure.get_dpi())
-            self._write_value(split, step, _value(tag, _IMAGE, _encoded_image(height, width, 4, buffer.getvalue())))
+            image = _encoded_image(height, width, 4, buffer.getvalue())
+            self._write_value(split, step, _value(self._tag(split, tag), _IMAGE, image))
 
     def histogram(self, tag: str, values, split: str | None = None, step: int | None = None, bins: int = 30) -> None:
         """The distribution of ``values`` (any shape, finite values only) in ``bins`` equal buckets."""
-        self._write_value(split, step, _value(tag, _HISTO, _histogram(tag, values, bins)))
+        self._write_value(split, step, _value(self._tag(split, tag), _HISTO, _histogram(tag, values, bins)))
 
     def text(self, tag: str, text: str, split: str | None = None, step: int | None = None) -> None:
         """Markdown text, shown by TensorBoard's text dashboard."""
         tensor = _DT_STRING + _SCALAR_SHAPE + _length_delimited(b"\x42", str(text).encode())
-        body = _length_delimited(_TAG, tag.encode()) + _length_delimited(_METADATA, _TEXT_PLUGIN)
+        body = _length_delimited(_TAG, self._tag(split, tag).encode()) + _length_delimited(_METADATA, _TEXT_PLUGIN)
         self._write_value(split, step, _length_delimited(_VALUE, body + _length_delimited(_TENSOR, tensor)))
 
     def scalars(self, values: Mapping[str, float], split: str | None = None, step: int | None = None) -> None:
         encoded = b"".join(
-            _length_delimited(_VALUE, _length_delimited(_TAG, tag.encode()) + _SIMPLE_VALUE + struct.pack("<f", v))
+            _length_delimited(
+                _VALUE, _length_delimited(_TAG, self._tag(split, tag).encode()) + _SIMPLE_VALUE + struct.pack("<f", v)
+            )
             for tag, v in values.items()
         )
         self._write_value(split, step, encoded)
 
     def hparams(self, hparams: Mapping[str, object]) -> None:
-        """The run's hyper-parameters for TensorBoard's HPARAMS tab: written beside the runs of the splits
-        (the parent of ``train`` and ``eval``), whose curves the tab then shows against them."""
+        """The run's hyper-parameters for TensorBoard's HPARAMS tab, in the run of the curves the tab
+        then shows against them."""
         self._write_value(ALL_SPLITS, 0, hparams_value(hparams))
+
+    def _tag(self, split: str | None, tag: str) -> str:
+        return events.tag(self.split if split is None else split, tag)
 
     def _write_value(self, split: str | None, step: int | None, values: bytes) -> None:
         for writer in self._writers:
@@ -114,6 +123,27 @@ def hparams_value(hparams: Mapping[str, object]) -> bytes:
     tag = _length_delimited(_TAG, b"_hparams_/session_start_info")
     tensor = _length_delimited(_TENSOR, _NULL_TENSOR)
     return _length_delimited(_VALUE, tag + _length_delimited(_METADATA, plugin) + tensor)
+
+
+OVERLAY_TAG = "custom_scalars__config__"  # the tag TensorBoard's CUSTOM SCALARS tab reads its layout from
+_SPLITS_OF_A_METRIC = r"^(train|eval|eval_[^/]+)/{}$"  # a chart's tags: one metric in every split
+
+
+def overlay_value(metrics: Iterable[str]) -> bytes:
+    """TensorBoard's CUSTOM SCALARS tab's layout: a category "train and eval" with, per metric, one chart
+    of it in every split (``train/loss``, ``eval/loss``, ``eval_val/loss`` as lines on one chart). A
+    ``Layout`` (``plugins/custom_scalar/layout.proto``) as a string tensor, the form that tab reads."""
+    charts = b""
+    for metric in sorted(metrics):
+        lines = _length_delimited(b"\x0a", _SPLITS_OF_A_METRIC.format(re.escape(metric)).encode())  # .tag
+        chart = _length_delimited(b"\x0a", metric.encode()) + _length_delimited(b"\x12", lines)  # title, multiline
+        charts += _length_delimited(b"\x12", chart)  # Category.chart
+    layout = _length_delimited(b"\x12", _length_delimited(b"\x0a", b"train and eval") + charts)  # Layout.category
+    plugin = _length_delimited(b"\x0a", _length_delimited(b"\x0a", b"custom_scalars"))
+    metadata = plugin + b"\x20\x02"  # data_class: DATA_CLASS_TENSOR
+    tensor = _DT_STRING + _SCALAR_SHAPE + _length_delimited(b"\x42", layout)
+    body = _length_delimited(_TAG, OVERLAY_TAG.encode()) + _length_delimited(_METADATA, metadata)
+    return _length_delimited(_VALUE, body + _length_delimited(_TENSOR, tensor))
 
 
 def _value(tag: str, key: bytes, message: bytes) -> bytes:

@@ -24,6 +24,7 @@ import numpy as np
 from estimax import eval_sets, storage
 from estimax.errors import LeaseLostError
 from estimax.records import events
+from estimax.records.summaries import overlay_value
 
 logger = logging.getLogger("estimax")
 
@@ -181,20 +182,26 @@ def records_up_to(text: str, step: int) -> str:
 
 
 class TensorBoardWriter:
-    """Scalars in ``<logdir>/<split>/`` event files, one run per split, so that train and eval
-    curves of the same name overlay in TensorBoard.
+    """Scalars of every split in one TensorBoard run, the event files directly in ``logdir``: tags
+    ``train/loss``, ``eval/accuracy``, ``eval_<set>/...`` (``events.tag``), which TensorBoard groups
+    by split; the hparams and the summaries of a hook go into the same run, and a CUSTOM SCALARS
+    layout that overlays each evaluated metric's splits on one chart (``summaries.overlay_value``).
 
     ``every_step``: the training report sends every step's scalar outputs in one
     ``write_steps`` call per loop, not one window mean per log line. Events are
-    encoded directly (``events.py``) and buffered: on disk appended to one file
-    per split every ``FLUSH_SECONDS``, on an object store uploaded as a new
-    event file every ``STORE_FLUSH_SECONDS`` (TensorBoard reads the files of a
-    run in name order); evaluations and the summary are flushed at once.
+    encoded directly (``events.py``) and buffered: on disk appended to this
+    writer's own file every ``FLUSH_SECONDS``, on an object store uploaded as a
+    new event file every ``STORE_FLUSH_SECONDS``; evaluations and summaries are
+    flushed at once. Several writers may write the run at once (training and a
+    follower, ``follow.py``), each into files of its own: TensorBoard reads the
+    files of a run in name order, which is the order they were started, so on
+    disk a writer whose file another one's newer file follows starts a new file
+    before it appends (its events read after that one's start event).
 
-    ``continuing_from``: the step a training run starts from. Its first event in
-    every split (those it will not write too) is a ``SessionLog.START`` at the
-    next step, with which TensorBoard drops the events a run that died after its
-    last checkpoint left past it; the files themselves are not rewritten.
+    ``continuing_from``: the step a training run starts from. Its first event
+    is a ``SessionLog.START`` at the next step, with which TensorBoard drops the
+    events a run that died after its last checkpoint left past it; the files
+    themselves are not rewritten.
     """
 
     every_step = True
@@ -206,21 +213,33 @@ class TensorBoardWriter:
         self.fence = fence  # raises once this process may no longer write here (before every upload)
         self._on_store = storage.is_url(logdir)
         self._encoder = events.ScalarEncoder()
-        # Per split, in order: encoded events, and loops' columns (``_Steps``) encoded at the flush.
-        self._pending: dict[str, list[bytes | _Steps]] = {}
+        # In order: encoded events, and loops' columns (``_Steps``) encoded at the flush.
+        self._pending: list[bytes | _Steps] = []
         self._runs: dict[str, _Steps] = {}  # per split, the pending columns the next loop may continue
-        self._files: dict[str, str] = {}  # on disk: the event file of each split
+        self._file: str | None = None  # on disk: the event file this writer appends to
         self._flushed = time.monotonic()
         self._start = None if continuing_from is None else events.session_start(continuing_from + 1)
-        self._started: set[str] | None = None  # the splits given the start event; None: none yet
+        self._overlaid: set[str] = set()  # the metrics the CUSTOM SCALARS layout written last has charts of
 
     def write(self, split: str, step: int, values: Mapping[str, float]) -> None:
-        self._pending.setdefault(split, []).append(self._encoder.event(step, values, time.time()))
+        tagged = {events.tag(split, name): value for name, value in values.items()}
+        self._pending.append(self._encoder.event(step, tagged, time.time()))
+        if split == "eval" or eval_sets.set_of(split) is not None:
+            self._overlay(values.keys())
         self._flush_if_due(split)
 
+    def _overlay(self, metrics) -> None:
+        """The CUSTOM SCALARS tab's charts, one per metric evaluated, of it in every split; written again
+        (at step 0, where TensorBoard keeps the latest) when an evaluation brings a metric it lacked."""
+        new = set(metrics) - self._overlaid - {"num_examples"}
+        if new:
+            self._overlaid |= new
+            self._pending.append(events.summary_event(0, overlay_value(self._overlaid)))
+
     def write_summary(self, split: str, step: int, values: bytes) -> None:
-        """Encoded ``Summary.Value`` messages (images, histograms, text: ``summaries.py``) at ``step``."""
-        self._pending.setdefault(split, []).append(events.summary_event(step, values))
+        """Encoded ``Summary.Value`` messages (images, histograms, text: ``summaries.py``, which names
+        their tags) at ``step``."""
+        self._pending.append(events.summary_event(step, values))
         self._flush_if_due(split)
 
     def write_steps(
@@ -231,11 +250,13 @@ class TensorBoardWriter:
         (most of the cost of encoding a 50-step loop is numpy's per-call overhead, not its points):
         the points written in between (log lines' throughput, merged metrics) come after them. Each
         tag's points stay in step order, and TensorBoard reads each tag as a series of its own."""
+        columns = {events.tag(split, name): column for name, column in columns.items()}
+        sampled = [events.tag(split, name) for name in sampled]
         run = self._runs.get(split)
         if run is None or not run.extend(first_step, columns, sampled):
             run = self._runs[split] = _Steps(first_step, tuple(sampled))
             run.extend(first_step, columns, sampled)
-            self._pending.setdefault(split, []).append(run)
+            self._pending.append(run)
         self._flush_if_due(split)
 
     def _flush_if_due(self, split: str) -> None:
@@ -244,38 +265,32 @@ class TensorBoardWriter:
             self.flush()
 
     def flush(self) -> None:
-        if self._start is not None and self._started is None:  # the splits earlier runs wrote
-            self._started = set()
-            for split in storage.listdir(self.logdir):
-                if not split.startswith(events.FILE_PREFIX):  # the splits' runs, not the hparams beside them
-                    self._pending.setdefault(split, [])
-        for split, records in self._pending.items():
-            if self._start is not None and split not in self._started:
-                self._started.add(split)
-                records.insert(0, self._start)
-            if not records:
-                continue
-            data = b"".join(r if isinstance(r, bytes) else r.encode(self._encoder) for r in records)
+        if self._start is not None:  # the first event of this writer's first file
+            self._pending.insert(0, self._start)
+            self._start = None
+        if self._pending:
+            data = b"".join(r if isinstance(r, bytes) else r.encode(self._encoder) for r in self._pending)
             if self._on_store:
                 self.fence()
-                storage.write_bytes(storage.join(self._run(split), events.file_name()), events.file_version() + data)
+                storage.write_bytes(storage.join(self.logdir, events.file_name()), events.file_version() + data)
             else:
-                if split not in self._files:
-                    self._files[split] = storage.join(self._run(split), events.file_name())
-                    storage.makedirs(storage.parent(self._files[split]))
+                if self._file is None or self._followed(self._file):
+                    storage.makedirs(self.logdir)
+                    self._file = storage.join(self.logdir, events.file_name())
                     data = events.file_version() + data
-                with open(self._files[split], "ab") as f:
+                with open(self._file, "ab") as f:
                     f.write(data)
-            records.clear()
+            self._pending.clear()
         self._runs.clear()
         self._flushed = time.monotonic()
 
+    def _followed(self, path: str) -> bool:
+        """Whether another writer's event file in the run sorts after ``path`` (started later)."""
+        name = storage.name(path)
+        return any(other > name for other in storage.listdir(self.logdir) if other.startswith(events.FILE_PREFIX))
+
     def close(self) -> None:
         self.flush()
-
-    def _run(self, split: str) -> str:
-        """The directory of ``split``'s TensorBoard run; ``""``: the directory of them all (hparams)."""
-        return storage.join(self.logdir, split) if split else self.logdir
 
 
 @dataclasses.dataclass

@@ -6,7 +6,9 @@ A model_dir (a local path, ``file://``, ``gs://`` or ``s3://``) holds::
     best/<step>/            the best checkpoint by an evaluation metric
     estimax.lock            one writer at a time (lock.py: a file, or a lease object)
     metrics.jsonl           the records of training and evaluation (writers.py)
-    tensorboard/<split>/    TensorBoard event files
+    events.out.tfevents.*   TensorBoard event files: the run is one TensorBoard run (its
+                            tags train/..., eval/..., eval_<set>/...; 0.1.0 wrote
+                            tensorboard/<split>/, left as they are)
     profile/                jax.profiler traces
     trackers.json           the experiment trackers' run ids
     ended.json              the last checkpoint of a training call that ended normally (followers stop there)
@@ -44,10 +46,9 @@ from estimax.run.run_setup import RunSetup
 
 logger = logging.getLogger("estimax")
 
-BEST, METRICS, TENSORBOARD, PROFILE, TRACKERS = (
+BEST, METRICS, PROFILE, TRACKERS = (
     "best",
     "metrics.jsonl",
-    "tensorboard",
     "profile",
     "trackers.json",
 )
@@ -83,6 +84,12 @@ class RunDir:
         return self.path(PROFILE)
 
     @property
+    def tensorboard_dir(self) -> str:
+        """Where the event files go: the model_dir itself, so that ``tensorboard --logdir`` over runs side
+        by side shows each as one run named after its directory."""
+        return self.url
+
+    @property
     def trackers_file(self) -> str:
         return self.path(TRACKERS)
 
@@ -107,7 +114,7 @@ class RunDir:
 
         # Nothing is written once the lock is lost, and an upload to a store first proves it is held.
         writable, fence = self.lock.writable, self.lock.prove
-        metrics, events = self.path(METRICS), self.path(TENSORBOARD)
+        metrics, events = self.path(METRICS), self.tensorboard_dir
         writers: list = [InBackground(JsonlWriter(metrics, continuing_from, fence), metrics, writable)]
         if tensorboard:
             writers.append(InBackground(TensorBoardWriter(events, continuing_from, fence), events, writable))
