@@ -151,7 +151,7 @@ def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_pa
         np.testing.assert_array_equal(x, y)
 
 
-def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
+def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, estimax_log):
     url = "gs://bkt/locked"
     holder = dataclasses.replace(this_process(), host="another-host", pid=4242, lease_seconds=60.0)
     storage.write_bytes(f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time()).to_json().encode())
@@ -160,9 +160,8 @@ def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, caplog):
     storage.write_bytes(
         f"{url}/estimax.lock", dataclasses.replace(holder, renewed_at=time.time() - 600).to_json().encode()
     )
-    with caplog.at_level("WARNING", logger="estimax"):
-        assert store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4).step == 4
-    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in caplog.text
+    assert store_estimator(url).train(ex.data.from_arrays(*STORE_DATA), max_steps=4).step == 4
+    assert "Took over the lock of model_dir gs://bkt/locked: its lease expired" in estimax_log.text
 
     with LeaseLock(url, lease_seconds=60.0) as lock:  # a live holder: a second writer is refused
         assert lock.held
