@@ -194,8 +194,7 @@ def test_globs_lists_and_in_memory_files():
         files.expand(f"{fs_prefix}/glob-test/none-*")
     # Three files, two processes: process 0 reads files 0 and 2, process 1 file 1.
     per_process = [
-        np.concatenate([b[0]["id"] for b in feed.eval_batches(by_glob, 4, process_index=p, process_count=2)])
-        for p in range(2)
+        np.concatenate([b[0]["id"] for b in feed.eval_batches(by_glob, 4, shard=feed.Shard(p, 2))]) for p in range(2)
     ]
     assert sorted(per_process[0].tolist()) == [0, 20, 21, 22] and per_process[1].tolist() == [10, 11]
 

@@ -4,33 +4,30 @@ Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object
 store, and saying whether this process may still write. The lock is an object
 holding its holder's record (``holder.Holder``) and the time of its last
 renewal. It is taken by a conditional create, or by replacing exactly the
-version of an expired lease; a background thread renews it by replacing
-exactly the version this process wrote last (``conditional.py``), so that a
-renewal never overwrites another process's lease.
-
-The timeline of a lease of ``L`` seconds: a renewal every ``L/4``; each call to
-the store waits at most ``L/4``; this process may write until ``3L/4`` after
-the start of its last renewal that succeeded, ``L/4`` before anyone else may
-take the lease over. A process paused past that point (SIGSTOP, a long GC, a
-frozen VM) writes nothing more until a renewal proves that nobody took the
-lease meanwhile; if somebody did, ``check()`` raises ``LeaseLostError`` naming
-it, and if the store does not answer (also to a second try when the renewal
-under way was cut off), ``StoreUnavailableError``. When the process is still
-running ``L/4`` after that verdict (blocked in a write to a store that does not
-answer), the lease ends it: one line and exit code 74.
+version of an expired lease; a background thread renews it by replacing exactly
+the version this process wrote last (``conditional.py``), so that a renewal
+never overwrites another process's lease. The timeline of a lease of ``L``
+seconds: a renewal every ``L/4``; each call to the store waits at most ``L/4``;
+this process may write until ``3L/4`` after the start of its last renewal that
+succeeded, ``L/4`` before anyone else may take the lease over. A process paused
+past that point (SIGSTOP, a long GC, a frozen VM) writes nothing more until a
+renewal proves that nobody took the lease meanwhile; if somebody did,
+``check()`` raises ``LeaseLostError`` naming it, and if the store does not
+answer (also to a second try when the renewal under way was cut off),
+``StoreUnavailableError``. When the process is still running ``L/4`` after that
+verdict (blocked in a write to a store that does not answer), the lease ends
+it: one line and exit code 74.
 
 A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``)
 takes over at once a lease that an earlier attempt of its run holds, by
 replacing exactly the version it read: of two later attempts, one wins. As a
-lease can then be taken over before it expires, such a holder also watches
-for pauses of its own (``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a
-thread that ticks): after one, it writes nothing until a renewal proves the
-lease still its own.
-
-Taking and releasing the lock retry for ``deadline_seconds``, with a warning
-per retry (``storage.Deadline``, the rule of every store operation). A lock
-object that holds no lease record is reported with what it holds and how to
-delete it. Does not own the holder record (``holder.py``), the lock on a disk
+lease can then be taken over before it expires, such a holder also watches for
+pauses of its own (``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a thread
+that ticks): after one, it writes nothing until a renewal proves the lease
+still its own. Taking and releasing the lock retry for ``deadline_seconds``,
+with a warning per retry (``storage.Deadline``, the rule of every store
+operation). A lock object that holds no lease record is reported with what it
+holds and how to delete it. Does not own the holder record (``holder.py``), the lock on a disk
 (``lock.py``), which of the two a model_dir gets (``locks.py``), nor what is
 written under it (``run_dir.py`` asks ``check()``/``writable()``).
 """
@@ -107,6 +104,8 @@ class LeaseLock:
         self._version: str | None = None
         self._proof = Proof(self._writable_seconds, watches_pauses=False, started=0.0)  # what the last renewal proved
         self._lost: StorageError | ModelDirLockedError | None = None
+        self._composed = threading.Event()  # cleared while the line of a takeover is being composed
+        self._composed.set()
         self._changed = threading.Condition()
         self._stop = threading.Event()  # one per hold: the threads of a hold end with it
         self._wake = threading.Event()  # renew now
@@ -226,6 +225,7 @@ class LeaseLock:
                 version = self._object.replace(self._encoded(), self._version, self._call_seconds)
             except Changed:
                 with self._changed:  # nothing is written from now on, however long the line takes to compose
+                    self._composed.clear()
                     self._lost = LeaseLostError(f"model_dir {self.model_dir}: another process took over {self.path}.")
                 return self._lose(self._taken_over())
             except Exception as error:  # noqa: BLE001 - the clients' own kinds
@@ -255,6 +255,7 @@ class LeaseLock:
         stop = self._stop
         with self._changed:
             self._lost = error
+            self._composed.set()
             self._changed.notify_all()
         # Writes that are under way may be stuck on a store that does not answer: end the process.
         if not stop.wait(self._call_seconds):
@@ -314,7 +315,7 @@ class LeaseLock:
             if lost is None and not self._proof.holds(time.monotonic()):
                 lost = self._unreachable(TimeoutError("no verdict from the renewal"))
         if lost is not None:
-            raise type(lost)(str(lost))
+            raise self._said(lost)
 
     def prove(self, saving: int | None = None) -> None:
         """Returns when this process holds the lease now, not only within the window of its last renewal;
@@ -346,7 +347,13 @@ class LeaseLock:
             if lost is None and self._proof.started < began:
                 lost = self._unreachable(TimeoutError("no verdict from the renewal"))
         if lost is not None:
-            raise type(lost)(str(lost))
+            raise self._said(lost)
+
+    def _said(self, lost: StorageError | ModelDirLockedError) -> StorageError | ModelDirLockedError:
+        """The error to raise; after a takeover, the line naming the taker, which the renewal thread composes."""
+        if not self._composed.wait(2 * self._call_seconds + 1):
+            return type(lost)(str(lost))
+        return type(self._lost)(str(self._lost))
 
     def writable(self) -> bool:
         """Whether this process may write under the lock now (``check()`` without the error)."""
