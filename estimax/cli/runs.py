@@ -62,25 +62,34 @@ def read(model_dir: str) -> Remembered | None:
     if not storage.exists(path):
         return None
     content = storage.read_bytes(path)
-    try:  # the ValueErrors raised here never leave: they are told below, with json's own, as one ConfigError
+    try:
         record = json.loads(content)
-        if not isinstance(record, dict):
-            raise ValueError(f"a JSON {type(record).__name__}, not an object")
-        missing = sorted({"sets", "params", "state"} - record.keys())
-        if missing:
-            raise ValueError(f"no {', '.join(map(repr, missing))}")
-        sets, params, state = record["sets"], record["params"], record["state"]
-        if not (isinstance(sets, dict) and isinstance(params, dict) and isinstance(state, str)):
-            raise ValueError('"sets" and "params" must be objects and "state" a string')
+        problem = _shape_problem(record)
     except (ValueError, UnicodeDecodeError) as error:  # json's errors are ValueErrors
-        what = "empty" if not content.strip() else f"damaged: {error}"
+        problem = f"damaged: {error}"
+    if problem is not None:
+        what = "empty" if not content.strip() else problem
         raise ConfigError(
             f'{path} is {what}; expected the JSON object `estimax train` writes there ("sets", "params", '
             '"state"), which says how this run was trained. Fix: restore it, or delete it (the run\'s checkpoints '
             "stay; the command line then takes the run as trained without --set values)."
-        ) from None
+        )
+    sets, params, state = record["sets"], record["params"], record["state"]
     computation = record.get("computation") if isinstance(record.get("computation"), dict) else None
     return Remembered({str(k): str(v) for k, v in sets.items()}, params, state, computation)
+
+
+def _shape_problem(record) -> str | None:
+    """What is wrong with a parsed ``cli.json`` (``"damaged: ..."``), or ``None``."""
+    if not isinstance(record, dict):
+        return f"damaged: a JSON {type(record).__name__}, not an object"
+    if missing := sorted({"sets", "params", "state"} - record.keys()):
+        return f"damaged: no {', '.join(map(repr, missing))}"
+    if not (
+        isinstance(record["sets"], dict) and isinstance(record["params"], dict) and isinstance(record["state"], str)
+    ):
+        return 'damaged: "sets" and "params" must be objects and "state" a string'
+    return None
 
 
 def _readable(run: str) -> Remembered | None:
