@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import fsspec
@@ -94,7 +95,12 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
 
     exported = reader.export("gs://bkt/exports/mlp", example_features={"x": STORE_DATA[0]["x"][:1]})
     assert exported == "gs://bkt/exports/mlp" and "signature.json" in bucket_names(exported)
-    served = ex.serving.load(exported)({"x": STORE_DATA[0]["x"][:8]})
+    scratch = tmp_path / "scratch"  # where the loader's local copy goes, deleted once read
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    model = ex.serving.load(exported)
+    assert model.path == exported and list(scratch.iterdir()) == []
+    served = model({"x": STORE_DATA[0]["x"][:8]})
     expected = [row["class"] for row in reader.predict(ex.data.from_arrays({"x": STORE_DATA[0]["x"][:8]}))]
     np.testing.assert_array_equal(served["class"], expected)
 

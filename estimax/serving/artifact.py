@@ -13,9 +13,11 @@ never Flax, never the model's code. Does not own HTTP (``server.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import tempfile
 import warnings
 
 import jax
@@ -142,13 +144,17 @@ def load(path: str, base_artifact: str | None = None) -> ExportedModel:
     ``base_artifact``: where the base of an adapters-only export (``export(..., base_artifact=...)``)
     is now; default: the path recorded at export, then the same place relative to ``path``.
     """
+    written = storage.resolve(path)
+    if storage.is_url(written) and not storage.exists(storage.join(written, SIGNATURE)):
+        raise ArtifactError(f"{written} holds no {SIGNATURE}; expected the directory written by Estimator.export().")
+    with _local(written) as path:
+        return _load_local(path, written, base_artifact)
+
+
+def _load_local(path: str, written: str, base_artifact: str | None) -> ExportedModel:
+    """``load`` of the artifact exported to ``written``, read from ``path`` on this machine."""
     from jax import export as jax_export
 
-    path = written = storage.resolve(path)
-    if storage.is_url(path):  # read from a local copy: the program and arrays are read whole anyway
-        if not storage.exists(storage.join(path, SIGNATURE)):
-            raise ArtifactError(f"{path} holds no {SIGNATURE}; expected the directory written by Estimator.export().")
-        path = _local_copy(path)
     signature = read_signature(path)
     if base_artifact is not None and signature["format"] != ADAPTERS_FORMAT:
         raise ArtifactError(
@@ -172,14 +178,19 @@ def load(path: str, base_artifact: str | None = None) -> ExportedModel:
         arrays = _on_base(path, written, signature, base_artifact)
     else:
         arrays = read_params(os.path.join(path, signature["params"]), signature["param_arrays"])
-    _warn_outside_window(path, signature["versions"]["jaxlib"])
-    return ExportedModel(path, signature, exported, arrays)
+    _warn_outside_window(written, signature["versions"]["jaxlib"])
+    return ExportedModel(written, signature, exported, arrays)
 
 
-def _local_copy(url: str) -> str:
-    import tempfile
-
-    return storage.download(url, tempfile.mkdtemp(prefix="estimax-serving-"))
+@contextlib.contextmanager
+def _local(path: str):
+    """``path`` on this machine: a store's artifact is copied to a temporary folder, deleted once read
+    (the program and the arrays are read whole into memory)."""
+    if not storage.is_url(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="estimax-serving-") as local:
+        yield storage.download(path, local)
 
 
 def _on_base(path: str, written: str, signature: dict, given: str | None) -> dict[str, np.ndarray]:
@@ -196,7 +207,13 @@ def _on_base(path: str, written: str, signature: dict, given: str | None) -> dic
             f"digest {record['digest'][:16]}). Fix: load({written!r}, base_artifact=DIR) or `estimax serve "
             f"{written} --base-artifact DIR`, with DIR that base's export."
         )
-    local = _local_copy(base) if storage.is_url(base) else base
+    with _local(base) as local:
+        return _merged(local, base, written, signature, adapters)
+
+
+def _merged(local: str, base: str, written: str, signature: dict, adapters: dict) -> dict[str, np.ndarray]:
+    """The base artifact's arrays read from ``local`` (a copy of ``base``), checked, adapters merged in."""
+    record = signature["adapters"]["base"]
     base_signature = read_signature(local)
     if base_signature["format"] != FORMAT:
         raise ArtifactError(

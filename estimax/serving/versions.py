@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import os
 import sys
-import tempfile
 import time
 
 from estimax import storage
@@ -314,11 +313,7 @@ def _load(path: str, max_batch: int, calibrating: bool) -> _Loaded:
         return _Loaded("", error=error)
     try:
         start = time.perf_counter()
-        if storage.is_url(path):  # read whole from a local copy, deleted once loaded
-            with tempfile.TemporaryDirectory(prefix="estimax-serving-") as local:
-                loaded.model = artifact.load(storage.download(path, local))
-        else:
-            loaded.model = artifact.load(path)
+        loaded.model = artifact.load(path)  # a store's version: from a local copy, deleted once read
         loaded.load_seconds = time.perf_counter() - start
         start = time.perf_counter()
         if calibrating:
