@@ -21,6 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 import psutil
 import pytest
+import warm
 from models import blobs, mlp, model_fn
 from stores import OWNER, SESSION
 
@@ -30,6 +31,7 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 
 _marks = itertools.count()
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 @contextlib.contextmanager
@@ -37,7 +39,7 @@ def processes_killed_on_exit():
     """Kills, on leaving (normally or by an exception), each process started inside and what those started:
     the new descendants of this process, and any process anywhere (an orphan, a group member started in a
     session of its own) that inherited this block's mark in its environment. Servers started for the whole
-    session carry the mark ``SESSION`` instead and stay."""
+    session carry the mark ``SESSION`` instead and stay, as do the warm interpreters (tests/warm.py)."""
     me, began = psutil.Process(), time.time()
     before = {p.pid for p in me.children(recursive=True)}
     mark = f"{os.getpid()}-{next(_marks)}"
@@ -54,7 +56,8 @@ def processes_killed_on_exit():
         for p in psutil.process_iter():
             if p.pid not in left and p.pid != me.pid and _created_after(p, began) and _owner(p) == mark:
                 left[p.pid] = p
-        doomed = [p for p in left.values() if _owner(p) != SESSION and not _interpreter_helper(p)]
+        kept = warm.interpreter_pids()
+        doomed = [p for p in left.values() if _owner(p) != SESSION and not _interpreter_helper(p) and p.pid not in kept]
         for p in doomed:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -88,9 +91,18 @@ MULTIHOST_JOB = os.path.join(TESTS, "multihost_job.py")
 MULTIHOST_STEPS = 24
 
 
+def user_env(*left_out: str, **extra) -> dict[str, str]:
+    """This process's environment for a child that runs as on a user's machine, with its real devices: the
+    simulated device count taken out of XLA_FLAGS, the compiler's settings kept (conftest.py), so that the
+    child computes what this process computes. ``left_out``: variables it does not get."""
+    env = {k: v for k, v in os.environ.items() if k not in left_out}
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
+    return {**env, **({"XLA_FLAGS": " ".join(flags)} if flags else {}), **extra}
+
+
 def job_env(**extra):
     """A child's environment: this checkout's package and the tests' models, no estimax variables."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
     # This checkout's package (not whichever estimax is installed) and the tests' models.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
@@ -118,7 +130,7 @@ def finish(process, timeout=120):
 
 
 def run_one_process(*job_args):
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, MULTIHOST_JOB, *job_args],
         env=job_env(JAX_NUM_CPU_DEVICES="8"),
         capture_output=True,
@@ -151,7 +163,7 @@ RESUMABLE_STEPS = 40
 
 
 def start_resumable(model_dir, max_steps=RESUMABLE_STEPS, *extra):
-    return subprocess.Popen(
+    return warm.Popen(
         [sys.executable, RESUMABLE_JOB, model_dir, str(max_steps), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -220,10 +232,10 @@ def error_lines(stderr: str) -> list[str]:
 
 def run_estimax(*args, cwd=None):
     """`python -m estimax.cli ARGS` as on a user's machine (real devices); its stdout."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the user's machine: real devices
+    env = user_env()
     # This checkout's package, not whichever estimax is installed in the environment.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr

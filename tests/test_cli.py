@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import run_estimax
+import warm
+from helpers import run_estimax, user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,9 +33,9 @@ def test_train_then_evaluate_and_predict_in_new_processes(tmp_path):
 
 
 def _run(*args, cwd=None):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-    return subprocess.run(
+    return warm.run(
         [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
     )
 

@@ -8,13 +8,14 @@ import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
+import warm
 
 MAX_STEPS = "200"  # 4 loops of the default 50 steps
 
 
 def _start(model_dir, env):
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--max-steps", MAX_STEPS]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return warm.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _until(process, text) -> str:

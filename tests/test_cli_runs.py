@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+import warm
+from helpers import user_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,10 +70,10 @@ def eval_input(params):
 
 
 def _run(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "estimax.cli", *args]
-    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+    return warm.run(command, capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 def _ok(*args, cwd) -> str:
@@ -158,7 +160,7 @@ def test_one_progress_bar_in_a_terminal_with_the_log_lines_above_it(tmp_path):
         f"cd {tmp_path} && PYTHONPATH={ROOT} {sys.executable} -m estimax.cli train blobs.py --max-steps 8 "
         f"--eval-every 4; tmux -L {socket} wait-for -S done; sleep 60"  # the screen stays until it is read
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "TMUX")}
+    env = user_env("TMUX")
     subprocess.run([*tmux, "new-session", "-d", "-x", "150", "-y", "40", command], check=True, env=env)
     try:
         subprocess.run([*tmux, "pipe-pane", "-o", f"cat >> {raw}"], check=True)  # every byte the terminal got

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import warm
 from helpers import (
     MULTIHOST_JOB,
     MULTIHOST_STEPS,
@@ -168,7 +169,7 @@ def test_two_managers_that_agree_and_idle_gpus_are_warnings(estimax_log):
 def test_the_command_line_stops_on_contradicting_variables_before_anything_starts(tmp_path):
     env = job_env(**{**SKYPILOT_NODE, "SKYPILOT_NODE_IPS": ""})
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", str(tmp_path / "run"), "--max-steps", "1"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    result = warm.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and not (tmp_path / "run").exists()
     assert result.stderr.strip().splitlines()[-1].startswith("estimax: error: SkyPilot: SKYPILOT_NODE_IPS='' lists 0")
 
@@ -179,7 +180,7 @@ def test_the_command_line_stops_on_contradicting_variables_before_anything_start
 def _group(manager_env, *job_args):
     """Two processes of the job, each with its own variables of one manager; returns their output."""
     processes = [
-        subprocess.Popen(
+        warm.Popen(
             [sys.executable, MULTIHOST_JOB, *job_args],
             env=job_env(JAX_NUM_CPU_DEVICES="4", **manager_env(rank)),
             stdout=subprocess.PIPE,

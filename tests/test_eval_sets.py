@@ -4,14 +4,15 @@ import io
 import json
 import os
 import re
-import subprocess
 import sys
 
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import warm
 from flax import nnx
+from helpers import user_env
 from models import mlp
 from sklearn import metrics as sk
 
@@ -320,9 +321,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _estimax(*args, cwd) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the user's machine: real devices
+    env = user_env()  # the user's machine: real devices
     env["PYTHONPATH"] = ROOT  # this checkout's estimax
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300
     )
     assert result.returncode == 0, result.stdout + result.stderr

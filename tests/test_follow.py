@@ -16,7 +16,9 @@ import sys
 import time
 
 import pytest
+import warm
 from follow_job import EVAL, eval_input
+from helpers import user_env
 from models import estimator
 
 import estimax as ex
@@ -29,7 +31,7 @@ ERROR = "estimax: error: "
 
 
 def _start(kind: str, model_dir: str, *args, **env) -> subprocess.Popen:
-    return subprocess.Popen(
+    return warm.Popen(
         [sys.executable, JOB, kind, model_dir, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env={**os.environ, **{k: str(v) for k, v in env.items()}},
     )  # fmt: skip
@@ -213,12 +215,12 @@ def test_a_hold_keeps_steps_until_it_expires_and_refuses_a_second_follower(tmp_p
 
 def test_the_command_line_follows_a_run_to_its_end(tmp_path):
     model_dir = str(tmp_path / "run")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(JOB)), env.get("PYTHONPATH")]))
 
     def cli(*args):
         command = [sys.executable, "-m", "estimax.cli", *args, "--example", "lstm", "--model-dir", model_dir]
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        return warm.run(command, capture_output=True, text=True, env=env, timeout=300)
 
     wrong = cli("evaluate", "--newest-only")
     assert wrong.returncode == 2 and "--newest-only without --follow" in wrong.stderr, wrong.stderr

@@ -2,13 +2,14 @@
 unfreeze at their step and resume exactly."""
 
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 import optax
 import pytest
+import warm
+from helpers import user_env
 from models import blobs, estimator
 
 import estimax as ex
@@ -126,10 +127,10 @@ def test_a_resumed_schedule_ends_with_the_bits_of_an_uninterrupted_one(tmp_path)
 
 
 def test_the_command_line_freezes_by_repeated_flags(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = user_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     args = ["train", "--max-steps", "1", "--model-dir", str(tmp_path / "run"), "--freeze", "conv1/.*", "--freeze", "x"]
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode != 0

@@ -7,6 +7,7 @@ import textwrap
 
 import psutil
 import pytest
+import warm
 from helpers import processes_killed_on_exit
 from stores import OWNER
 
@@ -23,10 +24,11 @@ FAMILY = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("start", [subprocess.Popen, warm.Popen], ids=["cold", "warm"])
 @pytest.mark.parametrize("child", ["waiting", "orphan"])
-def test_what_a_failing_block_started_is_killed_on_leaving_it_orphans_too(child):
+def test_what_a_failing_block_started_is_killed_on_leaving_it_orphans_too(child, start):
     with pytest.raises(AssertionError), processes_killed_on_exit():
-        parent = subprocess.Popen([sys.executable, "-c", FAMILY, child], stdout=subprocess.PIPE, text=True)
+        parent = start([sys.executable, "-c", FAMILY, child], stdout=subprocess.PIPE, text=True)
         grandchild = psutil.Process(int(parent.stdout.readline()))
         if child == "orphan":
             parent.wait(timeout=60)
@@ -42,8 +44,10 @@ def test_a_server_kept_for_the_session_is_left_running():
     with processes_killed_on_exit():
         server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
                                   env={**os.environ, OWNER: "session"})  # fmt: skip
+        assert warm.run([sys.executable, "-c", "pass"], timeout=60).returncode == 0
     try:
         assert server.poll() is None
+        assert warm.interpreter_pids() and all(psutil.pid_exists(pid) for pid in warm.interpreter_pids())
     finally:
         server.kill()
         server.wait()

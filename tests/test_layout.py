@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+import warm
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 from models import blobs
@@ -393,7 +394,7 @@ def test_a_sharded_run_killed_and_resumed_is_bitwise_identical(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
 
     def start(model_dir, steps):
-        return subprocess.Popen(
+        return warm.Popen(
             [sys.executable, job, model_dir, str(steps), "fsdp"],
             env=env,
             stdout=subprocess.PIPE,

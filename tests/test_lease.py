@@ -21,6 +21,7 @@ import urllib.request
 
 import fsspec
 import pytest
+import warm
 from helpers import LEASE_JOB, ended, error_lines, resume_paused
 from stores import GCSEmulator
 
@@ -64,7 +65,7 @@ def _take_over(url: str) -> tuple[LeaseLock, float]:
 
 def test_a_trainer_paused_past_its_lease_writes_nothing_more_and_names_the_process_that_took_over(gcs):
     url = "gs://bkt/paused"
-    job = subprocess.Popen(
+    job = warm.Popen(
         [sys.executable, LEASE_JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, "ESTIMAX_LEASE_SECONDS": str(LEASE)},
     )  # fmt: skip
@@ -154,7 +155,7 @@ def test_a_store_that_goes_away_mid_run_ends_it_within_its_lease_with_one_line(t
     emulator = GCSEmulator(str(tmp_path / "gcs"))
     settings = {"ESTIMAX_LEASE_SECONDS": str(LEASE), "ESTIMAX_STORE_DEADLINE_SECONDS": "2"}
     try:
-        job = subprocess.Popen(
+        job = warm.Popen(
             [sys.executable, LEASE_JOB, "gs://bkt/cut", "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, **emulator.env, **settings},
         )  # fmt: skip
@@ -264,7 +265,7 @@ def test_a_later_attempt_of_a_run_takes_its_lease_over_at_once_and_other_runs_ar
 def test_a_paused_attempt_of_a_run_finds_its_lease_taken_by_the_next_one_and_writes_nothing(gcs):
     url = "gs://bkt/next-attempt"
     env = {**os.environ, **ATTEMPTS, "ESTIMAX_RUN_ID": "job-9"}
-    job = subprocess.Popen([sys.executable, LEASE_JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    job = warm.Popen([sys.executable, LEASE_JOB, url, "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     assert job.stdout.readline().startswith("waiting at step"), job.communicate()
     _pause(job)
@@ -317,7 +318,7 @@ def _files(directory) -> dict:
 def test_on_a_disk_a_later_attempt_takes_a_live_holders_lock_over_and_the_paused_holder_writes_nothing(tmp_path):
     model_dir = str(tmp_path / "run")
     env = {**os.environ, "ESTIMAX_RUN_ID": "job-11"}
-    job = subprocess.Popen([sys.executable, LEASE_JOB, model_dir, "6", "40"], stdin=subprocess.PIPE,
+    job = warm.Popen([sys.executable, LEASE_JOB, model_dir, "6", "40"], stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     waiting = job.stdout.readline()
     assert waiting.startswith("waiting at step"), job.communicate()

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import warm
 from flax import nnx
 from helpers import saved_checkpoints, wait_for
 
@@ -119,7 +120,7 @@ def _start(model_dir, max_steps, *extra):
     import subprocess
     import sys
 
-    return subprocess.Popen(
+    return warm.Popen(
         [sys.executable, JOB, model_dir, str(max_steps), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import warm
 from models import mlp
 from sklearn import metrics as sk
 
@@ -407,7 +408,7 @@ def test_two_processes_of_four_devices_equal_one_of_eight(tmp_path):
     from helpers import finish, job_env
 
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "metrics_job.py")
-    one = subprocess.run(
+    one = warm.run(
         [sys.executable, job, str(tmp_path / "one")],
         env=job_env(JAX_NUM_CPU_DEVICES="8"),
         capture_output=True,

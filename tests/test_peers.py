@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import warm
 from helpers import MULTIHOST_JOB, checkpoint_steps, job_env
 
 from estimax import distributed
@@ -30,9 +31,7 @@ def _process(command, port, rank, size):
         ESTIMAX_PEER_TIMEOUT_SECONDS=str(TIMEOUT),
         ESTIMAX_LOG_ALL_PROCESSES="1",
     )
-    return subprocess.Popen(
-        [sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return warm.Popen([sys.executable, *command], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _lost_line(out: str) -> str:

@@ -23,6 +23,7 @@ import grain
 import jax
 import numpy as np
 import pytest
+from helpers import user_env
 from models import blobs, estimator
 
 import estimax as ex
@@ -45,7 +46,7 @@ def examples() -> grain.MapDataset:
 
 
 def _env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("ESTIMAX_", "RAY_"))}
+    env = {k: v for k, v in user_env().items() if not k.startswith(("ESTIMAX_", "RAY_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
     return {
         **env,

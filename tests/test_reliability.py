@@ -21,7 +21,8 @@ import warnings
 import numpy as np
 import optax
 import pytest
-from helpers import read_only
+import warm
+from helpers import read_only, user_env
 from models import blobs, estimator
 
 import estimax as ex
@@ -41,7 +42,7 @@ def _steps(model_dir):
 
 
 def _job(model_dir, max_steps, *extra, expect=0):
-    done = subprocess.run(
+    done = warm.run(
         [sys.executable, JOB, model_dir, str(max_steps), *extra], capture_output=True, text=True, timeout=180
     )
     out = done.stdout + done.stderr
@@ -96,7 +97,7 @@ def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--loop", "step"]
     command += ["--batch-size", "16", "--steps-per-loop", "2"]
     # Far more steps than the second process needs to start: the first one is still writing then.
-    first = subprocess.Popen([*command, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = warm.Popen([*command, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     _wait_for(lambda: os.path.exists(os.path.join(model_dir, LOCK_FILE)), first)
     second = subprocess.run([*command, "--max-steps", "12"], capture_output=True, text=True, timeout=180)
     out = second.stdout + second.stderr
@@ -115,7 +116,7 @@ def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp
 
 
 def test_the_stale_lock_of_a_killed_writer_is_taken_over(model_dir):
-    process = subprocess.Popen([sys.executable, JOB, model_dir, "400", "slow"], stdout=subprocess.PIPE, text=True)
+    process = warm.Popen([sys.executable, JOB, model_dir, "400", "slow"], stdout=subprocess.PIPE, text=True)
     _wait_for(lambda: _steps(model_dir), process)
     process.kill()
     process.wait()
@@ -143,7 +144,7 @@ def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
     os.makedirs(model_dir)
     with open(os.path.join(model_dir, LOCK_FILE), "w") as f:
         f.write(holder)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS])
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
     command += ["--", sys.executable, os.path.join(TESTS, "multihost_job.py"), model_dir, str(tmp_path / "out")]
@@ -183,7 +184,6 @@ def _read_until(fd, text, timeout=120):
 def test_ctrl_c_at_an_interactive_prompt_keeps_the_trained_state():
     main, terminal = os.openpty()  # `python -i` on a terminal: the prompt a person types at
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), TESTS])}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     python = subprocess.Popen(
         [sys.executable, "-i", "-q"], stdin=terminal, stdout=terminal, stderr=terminal, env=env, close_fds=True
     )
@@ -607,7 +607,7 @@ def _read_line_with(stream, text, lines):
 
 def test_two_ctrl_c_in_a_row_save_and_exit_75_with_short_output(model_dir):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), TESTS])}
-    job = subprocess.Popen(
+    job = warm.Popen(
         [sys.executable, JOB, model_dir, "100000", "slow"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -8,12 +8,13 @@ Random-access inputs are checked by reading them as 2 processes, then 3, against
 import json
 import os
 import re
-import subprocess
 import sys
 
 import grain
 import numpy as np
 import pytest
+import warm
+from helpers import user_env
 from models import blobs, estimator
 
 import estimax as ex
@@ -101,7 +102,7 @@ def test_a_stream_keeps_every_process_position_and_refuses_another_shape(tmp_pat
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("ESTIMAX_")}
+    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
     return {**env, "JAX_PLATFORMS": "cpu", **extra}
 
@@ -111,7 +112,7 @@ def _run(processes: int, devices: int, *job_args, ok: bool = True) -> str:
     if processes > 1:
         command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", str(processes),
                    "--devices-per-process", str(devices), "--", *command]  # fmt: skip
-    done = subprocess.run(command, env=_env(JAX_NUM_CPU_DEVICES=str(devices)), capture_output=True, text=True,
+    done = warm.run(command, env=_env(JAX_NUM_CPU_DEVICES=str(devices)), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert (done.returncode == 0) == ok, done.stdout + done.stderr
     return done.stdout + done.stderr

@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import user_env
 from stores import free_port
 
 import estimax as ex
@@ -72,7 +73,7 @@ class Server:
         self.port, self.base = free_port(), base
         self.name = storage.name(base)
         self.log = os.path.join(log_dir, f"serve-{self.port}.log")
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+        env = user_env("PYTHONPATH")
         env["PYTHONPATH"] = ROOT
         command = [sys.executable, "-m", "estimax.cli", "serve", base, "--port", str(self.port), *options]
         with open(self.log, "w") as log:

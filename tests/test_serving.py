@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import user_env
 
 import estimax as ex
 from estimax import serving
@@ -66,7 +67,7 @@ def _free_port() -> int:
 class Server:
     def __init__(self, path, *options):
         self.port = _free_port()
-        env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
+        env = user_env("PYTHONPATH")
         env["PYTHONPATH"] = ROOT
         command = [sys.executable, "-c", SERVE, "serve", path, "--port", str(self.port), *options]
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

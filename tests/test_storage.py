@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import STORE_DATA, bucket_names, store_estimator
+from helpers import STORE_DATA, bucket_names, store_estimator, user_env
 from models import mlp, model_fn
 
 import estimax as ex
@@ -257,7 +257,7 @@ def test_gs_goes_through_one_client_with_tensorflow_importable(gcs, tmp_path):
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_TENSORFLOW)
     uses = tmp_path / "tensorflow-uses"
-    env = {k: v for k, v in os.environ.items() if k not in (*DERIVED, "XLA_FLAGS")}  # one device is enough
+    env = user_env(*DERIVED)  # one device is enough
     env.update(
         STORAGE_EMULATOR_HOST=gcs.url,
         TENSORFLOW_USES=str(uses),

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from helpers import CLI_ERROR, ROOT, error_lines
+from helpers import CLI_ERROR, ROOT, error_lines, user_env
 from stores import GCSEmulator
 from test_cli_runs import TASK
 
@@ -27,7 +27,7 @@ def _cli(emulator: GCSEmulator, tmp_path, *args, **settings) -> subprocess.Popen
     gcloud): TensorStore looks for them and, finding none, would say so."""
     (tmp_path / "blobs.py").write_text(TASK)
     (tmp_path / "gcloud").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "GOOGLE_APPLICATION_CREDENTIALS")}
+    env = user_env("GOOGLE_APPLICATION_CREDENTIALS")
     env.update(emulator.env, CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), **settings)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "estimax.cli", "train", "blobs.py", *args]

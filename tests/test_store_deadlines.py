@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import warm
 from helpers import LEASE_JOB, ended, error_lines, resume_paused
 from models import blobs, estimator
 
@@ -83,7 +84,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
 def test_a_checkpoint_save_on_a_stalled_store_ends_training_within_its_lease(gcs):
     url, lease = "gs://bkt/stalled-save", 4.0  # shorter than the deadline, as by default (60 s and 120 s)
     settings = {"ESTIMAX_LEASE_SECONDS": str(lease), "ESTIMAX_STORE_DEADLINE_SECONDS": str(2 * lease)}
-    job = subprocess.Popen(
+    job = warm.Popen(
         [sys.executable, LEASE_JOB, url, "4", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, env={**os.environ, **settings},
     )  # fmt: skip

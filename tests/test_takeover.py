@@ -15,6 +15,7 @@ import time
 
 import fsspec
 import pytest
+import warm
 
 from estimax import storage
 
@@ -34,7 +35,7 @@ def _start(model_dir: str, *args, run: str | None = None, host: str = "host-a", 
     env = {**os.environ, "ESTIMAX_LEASE_SECONDS": "8", "AS_HOST": host, "SLOW_SECONDS": str(slow)}
     if run is not None:
         env["ESTIMAX_RUN_ID"] = run
-    return subprocess.Popen(
+    return warm.Popen(
         [sys.executable, JOB, model_dir, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, env=env,
     )  # fmt: skip

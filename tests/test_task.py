@@ -3,10 +3,11 @@
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+import warm
+from helpers import user_env
 
 from estimax.cli import task as task_lib
 
@@ -20,9 +21,9 @@ def _readme_task() -> str:
 
 
 def _estimax(*args, cwd, check=True):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the user's machine: real devices
+    env = user_env()  # the user's machine: real devices
     env["PYTHONPATH"] = ROOT  # this checkout's estimax; the task is found from the working directory
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, "-m", "estimax.cli", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600
     )
     if check:

@@ -12,6 +12,7 @@ import time
 import fsspec
 import numpy as np
 import pytest
+import warm
 from models import blobs, estimator
 
 import estimax as ex
@@ -325,7 +326,7 @@ def _fill(disk):
 
 def _start(command, ready="training"):
     env = {**os.environ, "PYTHONPATH": TESTS + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process = warm.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     for line in process.stdout:  # the child's readiness line, not a sleep
         if ready in line:
             return process

@@ -1,0 +1,202 @@
+"""Children of the tests forked from a warm interpreter instead of started cold.
+
+A child that trains, evaluates or predicts spends about 2.3 s of CPU importing JAX, Flax, Optax, Orbax,
+Grain and estimax before its first line, and the suite starts hundreds of them on 2 cores. A warm
+interpreter (this file run as a script: one per distinct start-up environment, kept for the session)
+imports them once and forks each child. The child is still a real process of its own: its own pid,
+environment, working directory, standard streams, session and signal dispositions, and the test's process
+is its parent (made a subreaper: the warm interpreter forks twice and the child is handed up), so
+``wait``, ``kill``, ``send_signal``, ``communicate`` and timeouts work as for any ``subprocess.Popen``. It
+runs ``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` as the interpreter would.
+
+What differs from a cold start is only what was imported before the child's first line, so a test of what
+a fresh interpreter imports, of start-up or of interpreter flags uses ``subprocess`` itself. Variables read
+on import (``START_UP``) select the warm interpreter; every other variable is the child's own, and what
+estimax derives from the environment on import is derived again from the child's
+(``estimax.storage.clients.use_one_client``). ``TESTS_WARM_CHILDREN=off`` starts every child cold.
+"""
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import types
+
+WARM_CHILDREN = os.environ.get("TESTS_WARM_CHILDREN", "on") != "off"
+# Variables that libraries read on import (or when their native code loads): children that differ in them
+# get a warm interpreter of their own.
+START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_")
+PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli")
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+class Popen(subprocess.Popen):
+    """``subprocess.Popen`` that forks a Python child from a warm interpreter when it can: the command is
+    ``sys.executable`` with a script, ``-m MODULE`` or ``-c CODE``, and no option a fork cannot honour
+    (``preexec_fn``, ``pass_fds``, ``shell``, users, groups, umask, a process group). Otherwise, or with
+    ``TESTS_WARM_CHILDREN=off``, it starts the command as ``subprocess.Popen`` does."""
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                       restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # fmt: skip
+        argv = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes)) else args)]
+        cold = not WARM_CHILDREN or not _warmable(argv, executable, shell)
+        cold = cold or preexec_fn is not None or pass_fds or (gid, gids, uid) != (None,) * 3
+        if cold or umask != -1 or process_group not in (None, -1):
+            return super()._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
+                p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
+                start_new_session, process_group,
+            )  # fmt: skip
+        env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
+        streams = [fd if fd != -1 else default for fd, default in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
+        cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
+        self.pid = _interpreter_for(env).fork(argv[1:], env, cwd, bool(start_new_session), streams)
+        self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+
+def run(args, *, input=None, capture_output=False, timeout=None, check=False, **kwargs):
+    """``subprocess.run`` with a warm child (``Popen``)."""
+    if capture_output:
+        kwargs["stdout"] = kwargs["stderr"] = subprocess.PIPE
+    with Popen(args, stdin=subprocess.PIPE if input is not None else kwargs.pop("stdin", None), **kwargs) as process:
+        try:
+            out, err = process.communicate(input, timeout=timeout)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+def _warmable(argv: list[str], executable, shell: bool) -> bool:
+    if shell or executable not in (None, sys.executable) or len(argv) < 2 or argv[0] != sys.executable:
+        return False
+    return not argv[1].startswith("-") or (argv[1] in ("-m", "-c") and len(argv) > 2)
+
+
+class _Interpreter:
+    """One warm interpreter, started with the start-up variables ``key``; forks children on request."""
+
+    def __init__(self, key: tuple):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Nothing else: what /proc shows of a child's environment is this one (tests/helpers.py's cleanup
+        # tells the interpreters, kept for the session, by their pids instead).
+        env = {k: os.environ[k] for k in ("HOME", "PATH", "TMPDIR") if k in os.environ}
+        env.update(dict(key))
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())], env=env, pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self.socket, self.lock = ours, threading.Lock()
+
+    def fork(self, argv: list[str], env: dict, cwd: str, new_session: bool, streams: list[int]) -> int:
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
+        with self.lock:
+            socket.send_fds(self.socket, [request], streams)
+            answer = self.socket.recv(64)
+        if not answer:
+            raise RuntimeError(f"the warm interpreter (pid {self.process.pid}) ended: {self.process.poll()}")
+        return int(answer)
+
+
+_interpreters: dict[tuple, _Interpreter] = {}
+_made = threading.Lock()
+
+
+def interpreter_pids() -> set[int]:
+    """The warm interpreters of this process: kept for the session, not children of a test."""
+    return {i.process.pid for i in _interpreters.values()}
+
+
+def _interpreter_for(env: dict) -> _Interpreter:
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP)))
+    with _made:
+        if not _interpreters:  # orphans of this process's children come back to it, to be waited for
+            if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+        if key not in _interpreters or _interpreters[key].process.poll() is not None:
+            _interpreters[key] = _Interpreter(key)
+        return _interpreters[key]
+
+
+# The warm interpreter itself.
+
+
+def _serve(connection: socket.socket):
+    """Forks a child for each request until the test's process is gone; returns in the child."""
+    while True:
+        try:
+            message, streams, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+        except OSError:
+            message = b""
+        if not message:
+            os._exit(0)
+        read_end, write_end = os.pipe()
+        middle = os.fork()
+        if middle == 0:  # forks the child and exits at once: the child is handed up to the subreaper
+            child = os.fork()
+            if child == 0:
+                os.close(read_end)
+                os.close(write_end)
+                connection.close()
+                return json.loads(message), streams
+            os.write(write_end, str(child).encode())
+            os._exit(0)
+        os.waitpid(middle, 0)
+        os.close(write_end)
+        child = os.read(read_end, 64)
+        os.close(read_end)
+        for fd in streams:
+            os.close(fd)
+        connection.send(child)
+
+
+def _become(request: dict, streams: list[int], added: dict):
+    """This forked process becomes the child ``request`` describes, then runs its program."""
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+    for fd in set(streams) - {0, 1, 2}:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    for name, value in added.items():  # what the imports set, as they would have in this environment
+        os.environ.setdefault(name, value)
+    from estimax.storage import clients
+
+    clients.use_one_client()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv, sys.path[0] = argv[1:], os.getcwd()
+        runpy._run_module_as_main(argv[1], alter_argv=True)
+    elif argv[0] == "-c":
+        sys.argv, sys.path[0] = ["-c", *argv[2:]], ""
+        main = types.ModuleType("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    else:
+        sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    before = dict(os.environ)
+    for name in PRELOADED:
+        __import__(name)
+    added = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    sys.path[0] = ""  # the child sets its own
+    _become(*_serve(socket.socket(fileno=int(sys.argv[1]))), added)
