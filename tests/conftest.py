@@ -1,10 +1,10 @@
 """Every test sees 8 simulated CPU devices, as a TPU v2-8 host would; no process a test starts outlives it.
 
-XLA compiles without its backend optimisations (``--xla_backend_optimization_level=0``, in this process and,
-through ``helpers.user_env``, in every process the tests start): the suite's programs are tiny and compiled
-hundreds of times, and what they compute does not depend on it (XLA's CPU backend does not reassociate
-floating point unless fast math is on, and it is off). It saves about a fifth of the in-process CPU time.
-``TESTS_XLA_OPTIMIZATION=on`` compiles as a user's process does.
+The tests' own process compiles without XLA's backend optimisations (``--xla_backend_optimization_level=0``):
+its programs are tiny and compiled hundreds of times, and what they compute does not depend on it (XLA's CPU
+backend does not reassociate floating point unless fast math is on, and it is off). The processes the tests
+start compile as a user's do (``helpers.user_env``), but where a test compares a child's numbers bitwise with
+its own (``helpers.compiler_flags``). ``TESTS_XLA_OPTIMIZATION=on`` compiles here as a user's process does.
 """
 
 import logging

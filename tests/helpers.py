@@ -91,13 +91,15 @@ MULTIHOST_JOB = os.path.join(TESTS, "multihost_job.py")
 MULTIHOST_STEPS = 24
 
 
+def compiler_flags() -> str:
+    """How the tests compile (conftest.py): this process's XLA_FLAGS without the simulated device count."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG))
+
+
 def user_env(*left_out: str, **extra) -> dict[str, str]:
-    """This process's environment for a child that runs as on a user's machine, with its real devices: the
-    simulated device count taken out of XLA_FLAGS, the compiler's settings kept (conftest.py), so that the
-    child computes what this process computes. ``left_out``: variables it does not get."""
-    env = {k: v for k, v in os.environ.items() if k not in left_out}
-    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)]
-    return {**env, **({"XLA_FLAGS": " ".join(flags)} if flags else {}), **extra}
+    """This process's environment for a child that runs as on a user's machine: its real devices and XLA's
+    default flags (no XLA_FLAGS). ``left_out``: variables it does not get; ``extra``: variables set."""
+    return {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *left_out)}, **extra}
 
 
 def job_env(**extra):

@@ -47,6 +47,7 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     env = {
         **os.environ,
         "PYTHONPATH": os.getcwd(),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",  # 8 devices, compiled as a user's process does
         "XDG_CACHE_HOME": str(tmp_path / "xdg"),
         "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",  # logs each persistent cache hit and miss
     }

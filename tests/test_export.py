@@ -21,7 +21,7 @@ import jax
 import jaxlib
 import numpy as np
 import pytest
-from helpers import user_env
+from helpers import compiler_flags, user_env
 from jax.sharding import PartitionSpec as P
 
 import estimax as ex
@@ -129,7 +129,7 @@ def test_fresh_process_without_the_model_code_equals_predict(trained, tmp_path):
     sum in another order (float32 rounding)."""
     est, path, inputs, expected = trained
     np.savez(tmp_path / "inputs.npz", **inputs)
-    env = user_env("PYTHONPATH")
+    env = user_env("PYTHONPATH", XLA_FLAGS=compiler_flags())  # compiled as here: bitwise comparable
     env["PYTHONPATH"] = ROOT  # estimax only: the model's directory is gone anyway
     result = subprocess.run(
         [sys.executable, "-c", LOADER, path, str(tmp_path / "inputs.npz"), str(tmp_path / "out.npz"), MODULE],

@@ -56,7 +56,7 @@ class Popen(subprocess.Popen):
         env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
         streams = [fd if fd != -1 else default for fd, default in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
         cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
-        self.pid = _interpreter_for(env).fork(argv[1:], env, cwd, bool(start_new_session), streams)
+        self.pid = _interpreter_for(env).fork(argv, env, cwd, bool(start_new_session), streams)
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
@@ -179,7 +179,8 @@ def _become(request: dict, streams: list[int], added: dict):
 
     clients.use_one_client()
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    argv = request["argv"]
+    sys.orig_argv = request["argv"]  # the command line the child was started with (/proc keeps this one's)
+    argv = request["argv"][1:]
     if argv[0] == "-m":
         sys.argv, sys.path[0] = argv[1:], os.getcwd()
         runpy._run_module_as_main(argv[1], alter_argv=True)
