@@ -45,9 +45,8 @@ class Popen(subprocess.Popen):
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, process_group):  # fmt: skip
         argv = [os.fsdecode(a) for a in ([args] if isinstance(args, (str, bytes)) else args)]
-        cold = not WARM_CHILDREN or not _warmable(argv, executable, shell)
-        cold = cold or preexec_fn is not None or pass_fds or (gid, gids, uid) != (None,) * 3
-        if cold or umask != -1 or process_group not in (None, -1):
+        forkable = WARM_CHILDREN and _warmable(argv, executable, shell) and preexec_fn is None and not pass_fds
+        if not forkable or (gid, gids, uid, umask) != (None, None, None, -1) or process_group not in (None, -1):
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
                 p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid, umask,
