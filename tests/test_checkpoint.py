@@ -3,15 +3,20 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
+import helpers
 import jax
 import numpy as np
 import optax
 import pytest
+import warm
 from flax import nnx
 from models import blobs, estimator
 
 import estimax as ex
+from estimax.run.checkpoint import locate
 from estimax.run.checkpoint_meta import CheckpointMeta
 
 DATA = ex.data.from_arrays(*blobs(256))
@@ -304,3 +309,29 @@ def _forget_the_input_position(model_dir, step: int) -> None:
     assert meta["input_state"] is not None
     with open(record, "w") as f:
         json.dump({**meta, "input_state": None}, f)
+
+
+TRAINER = """
+import sys
+from models import blobs, estimator
+import estimax as ex
+policy = ex.CheckpointPolicy(every_steps=1, keep=1, max_overhead=None, async_save=False)
+estimator(sys.argv[1], steps_per_loop=1, checkpoint=policy).train(ex.data.from_arrays(*blobs(64)), max_steps=150)
+"""
+
+
+def test_a_reader_lists_the_checkpoints_while_the_writer_deletes_them(model_dir):
+    # Orbax lists the step folders, then reads each one: a step the trainer deletes in between failed
+    # the reader's listing (about 1 in 20 while the trainer saved and pruned every step).
+    trainer = warm.Popen([sys.executable, "-c", TRAINER, model_dir], env=helpers.job_env(), stderr=subprocess.PIPE)
+    listings = 0
+    while trainer.poll() is None:
+        if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+            reader, _ = locate(model_dir)  # opening lists them
+            for _ in range(10):
+                assert len(reader.steps()) <= 2  # listed again (a reader's steps() reads the folder)
+                listings += 1
+            reader.close()
+    assert trainer.wait() == 0, trainer.stderr.read()[-2000:]
+    assert listings > 100, f"only {listings} listings while the trainer ran: the race was not exercised"
+    assert _steps(model_dir) == [150]

@@ -103,7 +103,7 @@ class Checkpointer:
         # The latest checkpoints are kept by ``_prune`` (the best ones by Orbax): only committed steps are
         # deleted, never one that is already gone, and nothing after this writer's lock was taken over.
         keep = policy.keep if self._best is not None else None
-        return storage.bounded(
+        return pruning.listed(
             "opening the checkpoints",
             self.directory,
             ocp.CheckpointManager,
@@ -169,7 +169,7 @@ class Checkpointer:
         if names is not None and names == self._names_read:
             return
         storage.forget_listings(self.directory)
-        storage.bounded("listing the checkpoints", self.directory, self._manager.reload)
+        pruning.listed("listing the checkpoints", self.directory, self._manager.reload)
         self._names_read = names
 
     def _local_names(self) -> list[str] | None:
@@ -197,7 +197,7 @@ class Checkpointer:
         if read:
             with contextlib.suppress(Exception):  # the listing failed: what this process saw
                 storage.forget_listings(self.directory)
-                return max(storage.bounded("listing the checkpoints", self.directory, self._manager.all_steps, True),
+                return max(pruning.listed("listing the checkpoints", self.directory, self._manager.all_steps, True),
                            default=None)  # fmt: skip
         steps = set(self._manager.all_steps())
         if not self.read_only and self._manager.is_saving_in_progress():  # listed before it is committed

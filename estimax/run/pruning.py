@@ -3,9 +3,10 @@
 Owns the choice (the committed steps before the ``keep`` newest, except one every
 ``keep_every_hours`` by commit time) and the deletion: each batch once this process proved it
 holds the model_dir's lock, oldest first, a step that is already gone skipped; a step a live
-follower has not read yet (``holds.py``) is kept until it has, or until its hold expires. Does not own when
-it runs (``checkpoint.py``: with no save in flight, on every process of a group alike, since
-Orbax's deletion is a collective) nor which steps are committed (Orbax's listing).
+follower has not read yet (``holds.py``) is kept until it has, or until its hold expires; and a
+reader's listing that a deletion raced, which is listed again. Does not own when it runs
+(``checkpoint.py``: with no save in flight, on every process of a group alike, since Orbax's
+deletion is a collective) nor which steps are committed (Orbax's listing).
 """
 
 from __future__ import annotations
@@ -34,6 +35,23 @@ def prune(manager, policy: CheckpointPolicy, directory: str, prove: Callable[[],
     for step in doomed:
         with contextlib.suppress(FileNotFoundError):  # gone already (another process deleted it)
             storage.bounded("deleting an old checkpoint", directory, manager.delete, step)
+
+
+LISTINGS = 8  # listings a reader tries while a writer prunes
+
+
+def listed(operation: str, directory: str, function, *args, **kwargs):
+    """``function(*args, **kwargs)``, an Orbax listing of ``directory`` (opening its manager, reading its steps
+    again) while a writer may be pruning it. Orbax lists the step folders, then reads each one: a step
+    deleted in between fails the listing (about 1 in 20 listings failed while a writer saved and pruned
+    without pause). It is listed again, up to ``LISTINGS`` times."""
+    for attempt in range(LISTINGS):
+        try:
+            return storage.bounded(operation, directory, function, *args, **kwargs)
+        except (FileNotFoundError, NotADirectoryError):  # a listed step folder is gone
+            if attempt + 1 == LISTINGS:
+                raise
+            storage.forget_listings(directory)
 
 
 def held_from(model_dir: str) -> int | None:
