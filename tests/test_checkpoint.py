@@ -3,7 +3,6 @@
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import helpers
@@ -320,18 +319,21 @@ estimator(sys.argv[1], steps_per_loop=1, checkpoint=policy).train(ex.data.from_a
 """
 
 
-def test_a_reader_lists_the_checkpoints_while_the_writer_deletes_them(model_dir):
+def test_a_reader_lists_and_evaluates_the_checkpoints_while_the_writer_deletes_them(model_dir):
     # Orbax lists the step folders, then reads each one: a step the trainer deletes in between failed
-    # the reader's listing (about 1 in 20 while the trainer saved and pruned every step).
-    trainer = warm.Popen([sys.executable, "-c", TRAINER, model_dir], env=helpers.job_env(), stderr=subprocess.PIPE)
-    listings = 0
+    # about 1 listing in 20 and 1 evaluation in 3 (as damage: "No usable checkpoint") while the trainer
+    # saved and pruned every step.
+    with open(f"{model_dir}.log", "w") as log:  # a file: a pipe nobody reads would stop the trainer once full
+        trainer = warm.Popen([sys.executable, "-c", TRAINER, model_dir], env=helpers.job_env(), stderr=log)
+    listings, evaluated = 0, []
     while trainer.poll() is None:
-        if os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        if os.path.isdir(os.path.join(model_dir, "checkpoints")) and _steps(model_dir):  # one is saved
             reader, _ = locate(model_dir)  # opening lists them
             for _ in range(10):
                 assert len(reader.steps()) <= 2  # listed again (a reader's steps() reads the folder)
                 listings += 1
             reader.close()
-    assert trainer.wait() == 0, trainer.stderr.read()[-2000:]
-    assert listings > 100, f"only {listings} listings while the trainer ran: the race was not exercised"
+            evaluated.append(estimator(model_dir).evaluate(DATA, steps=1)["loss"])
+    assert trainer.wait() == 0, open(f"{model_dir}.log").read()[-2000:]
+    assert listings > 100 and len(evaluated) > 5, f"{listings} listings, {len(evaluated)} evaluations: too few"
     assert _steps(model_dir) == [150]

@@ -261,7 +261,7 @@ class Checkpointer:
         """
         return storage.bounded("restoring a checkpoint", self.directory, self._restore, abstract_state, step)
 
-    def _restore(self, abstract_state, step: int | None):
+    def _restore(self, abstract_state, step: int | None, listings: int = 1):
         candidates = [step] if step is not None else sorted(self.steps(), reverse=True)
         failures, damaged = [], {}
         for candidate in candidates:
@@ -273,6 +273,9 @@ class Checkpointer:
             except Exception as error:  # truncated files, altered arrays
                 if isinstance(error, StorageError) or unanswered(error):
                     raise  # the store, not the checkpoint: ``bounded`` tries again or reports it
+                if step is None and listings < pruning.LISTINGS and (self.latest_step() or -1) > candidates[0]:
+                    # A newer step was committed since the listing: the writer may have deleted this one.
+                    return self._restore(abstract_state, None, listings + 1)
                 failures.append(f"step {candidate}: {first_line(error)}")
                 logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, first_line(error))
                 damaged[candidate] = step_identity(storage.join(self.directory, str(candidate)))
