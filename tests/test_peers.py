@@ -86,7 +86,7 @@ def test_sigkill_of_one_process_mid_run_stops_the_other_naming_it_and_the_last_c
 
 def test_sigkill_of_process_0_mid_run_stops_the_other_with_its_line_before_jax_aborts_it(tmp_path):
     """Process 0 hosts JAX's coordination service: JAX aborts the survivors about 0.1 s after it dies.
-    The survivor's lifeline to process 0 closes at once, and its line and exit code come first."""
+    The survivor's lifeline to process 0 closes at once, and its line and exit code come before the abort."""
     # A second after the checkpoint, a beat of process 1 has asked for the committed step.
     model_dir, survivor, out, seconds = _lost_mid_run(tmp_path, victim=0, settle=1.0)
     print(f"2 processes, process 0 SIGKILLed: process 1 exited {seconds:.2f} s later")
@@ -95,10 +95,9 @@ def test_sigkill_of_process_0_mid_run_stops_the_other_with_its_line_before_jax_a
     assert "Process 1: lost process 0 (the coordinator, host 127.0.0.1) of the group of 2: its connection" in line
     named = int(re.search(r"The last committed checkpoint is step (\d+)", line).group(1))
     assert named in checkpoint_steps(model_dir) and f"resume from step {named} with the same command" in line
-    # estimax's line first, and no abort by JAX: its error thread may log its last words in the instant
-    # between the line and the exit, never before the line
-    jax_said = out.find("Terminating process")
-    assert "Check failure" not in out and (jax_said < 0 or jax_said > out.find(line)), out
+    # estimax's line and exit code, no abort by JAX. JAX's error thread wakes on the same closed connection:
+    # on a loaded host it may log its last words before the line, but the process exits 69 before it aborts.
+    assert "Check failure" not in out, out
 
 
 READY = textwrap.dedent(

@@ -21,7 +21,9 @@ the coordination service it hosts goes with it, and JAX aborts the survivors
 about a tenth of a second later. So each survivor also holds a plain TCP
 connection to process 0 (its lifeline): the kernel closes it the moment
 process 0 dies, and the survivor says its line and exits before JAX's client
-has noticed; a process 0 that ends normally sends one byte first. Where that
+aborts it (JAX's error thread wakes at the same moment: on a loaded host its
+last words may come before the line); a process 0 that ends normally sends
+one byte first. Where that
 connection cannot be made (a network that allows only JAX's port), the
 beat's next call finds the service gone, and the line races JAX's abort.
 
