@@ -102,9 +102,25 @@ def user_env(*left_out: str, **extra) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *left_out)}, **extra}
 
 
+def shared_cache_env(directory: str) -> dict[str, str]:
+    """The variables of the session's compilation cache (conftest.py) in ``directory``: JAX's, which a child
+    reads on import, and the ``estimax`` command's, which names the same folder."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": directory,
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**34),  # a limit: JAX then locks the folder for each entry
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+        "ESTIMAX_COMPILATION_CACHE": directory,
+    }
+
+
+SHARED_CACHE = tuple(shared_cache_env(""))  # a test of the cache itself leaves these out (``user_env``)
+
+
 def job_env(**extra):
-    """A child's environment: this checkout's package and the tests' models, no estimax variables."""
-    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
+    """A child's environment: this checkout's package and the tests' models, no estimax variables but the
+    session's compilation cache."""
+    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_") or k in SHARED_CACHE}
     # This checkout's package (not whichever estimax is installed) and the tests' models.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"

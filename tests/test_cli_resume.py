@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 
+import helpers
 import numpy as np
 import orbax.checkpoint as ocp
 import warm
@@ -44,14 +45,13 @@ def _params(model_dir):
 
 def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(tmp_path):
     cache = tmp_path / "xdg" / "estimax" / "jax"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.getcwd(),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",  # 8 devices, compiled as a user's process does
-        "XDG_CACHE_HOME": str(tmp_path / "xdg"),
-        "JAX_DEBUG_LOG_MODULES": "jax._src.compiler",  # logs each persistent cache hit and miss
-    }
-    env.pop("ESTIMAX_COMPILATION_CACHE", None)
+    env = helpers.user_env(
+        *helpers.SHARED_CACHE,  # the command's own cache, not the session's
+        PYTHONPATH=os.getcwd(),
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",  # 8 devices, compiled as a user's process does
+        XDG_CACHE_HOME=str(tmp_path / "xdg"),
+        JAX_DEBUG_LOG_MODULES="jax._src.compiler",  # logs each persistent cache hit and miss
+    )
     reference = str(tmp_path / "uninterrupted")
     first = _finish(_start(reference, env))
     assert "loop=auto: using step: the training step has" in first  # the digits CNN: convolutions on CPU

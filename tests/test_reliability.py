@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 import warm
-from helpers import read_only, user_env
+from helpers import job_env, read_only
 from models import blobs, estimator
 
 import estimax as ex
@@ -144,8 +144,7 @@ def test_a_group_of_processes_takes_one_lock_and_fails_together(tmp_path):
     os.makedirs(model_dir)
     with open(os.path.join(model_dir, LOCK_FILE), "w") as f:
         f.write(holder)
-    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), TESTS])
+    env = job_env()
     command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--devices-per-process", "4"]
     command += ["--", sys.executable, os.path.join(TESTS, "multihost_job.py"), model_dir, str(tmp_path / "out")]
     done = subprocess.run([*command, "train", "8"], env=env, capture_output=True, text=True, timeout=180)

@@ -14,7 +14,7 @@ import grain
 import numpy as np
 import pytest
 import warm
-from helpers import user_env
+from helpers import job_env
 from models import blobs, estimator
 
 import estimax as ex
@@ -23,7 +23,6 @@ from estimax.data.plan import POSITIONS
 from estimax.run import resize
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
 JOB = os.path.join(TESTS, "resize_job.py")
 N, GLOBAL_BATCH = 103, 12  # 8 steps an epoch, 7 examples of each epoch dropped
 
@@ -101,18 +100,12 @@ def test_a_stream_keeps_every_process_position_and_refuses_another_shape(tmp_pat
     plan.check_resize([], 1, 4)  # the same shape: the caller's iterable goes on as before
 
 
-def _env(**extra):
-    env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
-    return {**env, "JAX_PLATFORMS": "cpu", **extra}
-
-
 def _run(processes: int, devices: int, *job_args, ok: bool = True) -> str:
     command = [sys.executable, JOB, *job_args]
     if processes > 1:
         command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", str(processes),
                    "--devices-per-process", str(devices), "--", *command]  # fmt: skip
-    done = warm.run(command, env=_env(JAX_NUM_CPU_DEVICES=str(devices)), capture_output=True, text=True,
+    done = warm.run(command, env=job_env(JAX_NUM_CPU_DEVICES=str(devices)), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert (done.returncode == 0) == ok, done.stdout + done.stderr
     return done.stdout + done.stderr
