@@ -18,6 +18,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 import jax  # noqa: E402
 import psutil  # noqa: E402
 import pytest  # noqa: E402
+import warm  # noqa: E402
 from filelock import FileLock  # noqa: E402
 from helpers import processes_killed_on_exit, shared_cache_env  # noqa: E402
 from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
@@ -65,6 +66,16 @@ def shared_dir(tmp_path_factory, name: str):
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
         return tmp_path_factory.getbasetemp() / name
     return tmp_path_factory.getbasetemp().parent / name  # the session's folder, above the workers' own
+
+
+@pytest.fixture(scope="session", autouse=True)
+def launched_processes_served_warm(tmp_path_factory):
+    """The processes ``estimax launch`` starts in a test run their commands in warm children (tests/warm.py)."""
+    if warm.WARM_CHILDREN:
+        path = str(tmp_path_factory.mktemp("warm-launch") / "socket")
+        warm.serve_launched(path)
+        os.environ[warm.LAUNCH_ENV] = path
+    yield
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,17 @@
 """The suite's own guarantee: no process a test starts outlives it (tests/helpers.py, tests/conftest.py)."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import psutil
 import pytest
 import warm
-from helpers import processes_killed_on_exit
+from helpers import job_env, processes_killed_on_exit
 from stores import OWNER
 
 pytestmark = pytest.mark.quick
@@ -51,3 +54,42 @@ def test_a_server_kept_for_the_session_is_left_running():
     finally:
         server.kill()
         server.wait()
+
+
+# A process of a launched group: its pid, then it waits; SIGTERM ends it with 75.
+LAUNCHED = textwrap.dedent("""
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
+    print(os.getpid(), flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("fault", ["sigkill-of-a-process", "sigterm-to-the-launcher"])
+def test_a_launched_process_runs_warm_passes_signals_on_and_ends_as_its_child(fault):
+    command = [sys.executable, "-m", "estimax.cli", "launch", "--num-processes", "2", "--max-restarts", "0"]
+    launcher = subprocess.Popen([*command, "--", sys.executable, "-c", LAUNCHED], env=job_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    said, children = [], {}
+    while len(children) < 2 and (line := launcher.stdout.readline()):
+        said.append(line)
+        if found := re.fullmatch(r"\[(\d)\] (\d+)", line.strip()):
+            children[int(found[1])] = int(found[2])
+    assert len(children) == 2, "".join(said)
+    if warm.WARM_CHILDREN:  # forked from a warm interpreter, then handed up: the test's own children
+        deadline = time.monotonic() + 10
+        while not {p.pid for p in psutil.Process().children()} >= set(children.values()):
+            assert time.monotonic() < deadline, children
+            time.sleep(0.1)
+    if fault == "sigkill-of-a-process":
+        os.kill(children[1], signal.SIGKILL)
+        out = launcher.communicate(timeout=60)[0]
+        assert launcher.returncode == 128 + signal.SIGKILL and "process 1 was killed by SIGKILL; stopping" in out, out
+    else:
+        launcher.send_signal(signal.SIGTERM)
+        out = launcher.communicate(timeout=60)[0]
+        assert launcher.returncode == 75 and "was killed" not in out, out  # each process's own exit code
+    for pid in children.values():  # process 0 too: its launched process was killed, and it went along
+        with pytest.raises(psutil.NoSuchProcess):
+            psutil.wait_procs([psutil.Process(pid)], timeout=30)
+            psutil.Process(pid).status()

@@ -14,8 +14,17 @@ a fresh interpreter imports, of start-up or of interpreter flags uses ``subproce
 on import (``START_UP``) select the warm interpreter; every other variable is the child's own, and what
 estimax derives from the environment on import is derived again from the child's
 (``estimax.storage.clients.use_one_client``). ``TESTS_WARM_CHILDREN=off`` starts every child cold.
+
+The processes ``estimax launch`` starts are the launcher's children, not the test's, so they hand over
+instead (``hand_over``, which tests/sitecustomize.py calls before anything is imported): each asks the
+test's process (``serve_launched``, its socket in ``LAUNCH_ENV``) for a warm child that runs its command,
+with its streams, environment and working directory, in a session of its own. It stays as the launcher's
+process: it passes on the signals it gets and ends as the child did, with its exit code or signal. A
+SIGKILL of it kills the child too (the child watches a pipe only it holds), and the child holds the
+launcher's pipe of its output, so the launcher, which reads that to its end, sees the two end together.
 """
 
+import contextlib
 import ctypes
 import json
 import os
@@ -28,6 +37,8 @@ import threading
 import types
 
 WARM_CHILDREN = os.environ.get("TESTS_WARM_CHILDREN", "on") != "off"
+LAUNCH_ENV = "TESTS_WARM_LAUNCH"  # the socket where a launched process asks for a warm child
+RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT)
 # Variables that libraries read on import (or when their native code loads): children that differ in them
 # get a warm interpreter of their own.
 START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_")
@@ -100,6 +111,8 @@ class _Interpreter:
         self.socket, self.lock = ours, threading.Lock()
 
     def fork(self, argv: list[str], env: dict, cwd: str, new_session: bool, streams: list[int]) -> int:
+        """The pid of a child with ``streams`` (stdin, stdout, stderr, and the read end of a lifeline:
+        the child kills itself when it reaches its end)."""
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd, "new_session": new_session}).encode()
         with self.lock:
             socket.send_fds(self.socket, [request], streams)
@@ -129,6 +142,71 @@ def _interpreter_for(env: dict) -> _Interpreter:
         return _interpreters[key]
 
 
+def serve_launched(path: str) -> None:
+    """Serves the processes ``estimax launch`` starts (``hand_over``) from this process, on the socket ``path``."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen()
+    threading.Thread(target=_accept, args=(server,), name="warm-launch", daemon=True).start()
+
+
+def _accept(server: socket.socket) -> None:
+    while True:
+        connection, _ = server.accept()
+        threading.Thread(target=_launch, args=(connection,), name="warm-launched", daemon=True).start()
+
+
+def _launch(connection: socket.socket) -> None:
+    """Forks the child a launched process asked for, tells it the pid, then how the child ended."""
+    with connection:
+        message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
+        try:
+            request = json.loads(message)
+            pid = _interpreter_for(request["env"]).fork(request["argv"], request["env"], request["cwd"], True, fds)
+        except Exception:  # noqa: BLE001 - the launched process runs its command itself
+            connection.send(b"0")
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        connection.send(str(pid).encode())
+        try:
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # this process is its subreaper
+        except ChildProcessError:  # reaped by a test's cleanup, which kills
+            code = -signal.SIGKILL
+        with contextlib.suppress(OSError):  # the launched process is gone already
+            connection.send(str(code).encode())
+
+
+def hand_over(path: str) -> None:
+    """Runs this process's command in a warm child (``serve_launched``) and ends as it did; returns
+    without doing anything when it cannot (the command then runs here, cold)."""
+    argv = list(sys.orig_argv)
+    if not _warmable(argv, None, False):
+        return
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+    except OSError:
+        return
+    lifeline, _held = os.pipe()  # the write end stays open here: its end is the child's sign that this one died
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    socket.send_fds(connection, [request], [0, 1, 2, lifeline])
+    os.close(lifeline)
+    pid = int(connection.recv(64) or 0)
+    if not pid:
+        return
+    for signum in RELAYED:
+        signal.signal(signum, lambda signum, frame: _signal(pid, signum))
+    answer = connection.recv(64)
+    code = int(answer) if answer else -signal.SIGKILL
+    if code < 0:  # ends as the child did: by the same signal
+        with contextlib.suppress(OSError):  # SIGKILL's cannot be set
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
 # The warm interpreter itself.
 
 
@@ -136,7 +214,7 @@ def _serve(connection: socket.socket):
     """Forks a child for each request until the test's process is gone; returns in the child."""
     while True:
         try:
-            message, streams, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+            message, streams, _, _ = socket.recv_fds(connection, 1 << 20, 4)
         except OSError:
             message = b""
         if not message:
@@ -165,6 +243,9 @@ def _become(request: dict, streams: list[int], added: dict):
     """This forked process becomes the child ``request`` describes, then runs its program."""
     if request["new_session"]:
         os.setsid()
+    if len(streams) > 3:  # a launched process's child: it dies with that process
+        threading.Thread(target=_dies_with, args=(streams.pop(),), daemon=True).start()
+        request["env"].pop(LAUNCH_ENV, None)  # the processes it starts run their commands themselves
     for target, fd in enumerate(streams):
         os.dup2(fd, target)
     for fd in set(streams) - {0, 1, 2}:
@@ -191,6 +272,16 @@ def _become(request: dict, streams: list[int], added: dict):
     else:
         sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it has ended: its status is on its way
+        os.kill(pid, signum)
+
+
+def _dies_with(lifeline: int) -> None:
+    os.read(lifeline, 1)  # returns once the launched process is gone
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":
