@@ -23,9 +23,9 @@ connection to process 0 (its lifeline): the kernel closes it the moment
 process 0 dies, and the survivor says its line and exits before JAX's client
 aborts it (JAX's error thread wakes at the same moment: on a loaded host its
 last words may come before the line); a process 0 that ends normally sends
-one byte first. Where that
-connection cannot be made (a network that allows only JAX's port), the
-beat's next call finds the service gone, and the line races JAX's abort.
+one byte first. Where that connection cannot be made (a network that allows
+only JAX's port), the beat's next call finds the service gone, and the line
+races JAX's abort.
 
 Does not own forming the group (``distributed.py``) nor starting it again
 (``cli/launch.py``, a cluster manager): the same command resumes from the
