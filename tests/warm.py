@@ -164,18 +164,18 @@ def _launch(connection: socket.socket) -> None:
             request = json.loads(message)
             pid = _interpreter_for(request["env"]).fork(request["argv"], request["env"], request["cwd"], True, fds)
         except Exception:  # noqa: BLE001 - the launched process runs its command itself
-            connection.send(b"0")
+            connection.send(b"0\n")
             return
         finally:
             for fd in fds:
                 os.close(fd)
-        connection.send(str(pid).encode())
+        connection.send(f"{pid}\n".encode())  # lines: the status may follow at once
         try:
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])  # this process is its subreaper
         except ChildProcessError:  # reaped by a test's cleanup, which kills
             code = -signal.SIGKILL
         with contextlib.suppress(OSError):  # the launched process is gone already
-            connection.send(str(code).encode())
+            connection.send(f"{code}\n".encode())
 
 
 def hand_over(path: str) -> None:
@@ -193,12 +193,13 @@ def hand_over(path: str) -> None:
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
     socket.send_fds(connection, [request], [0, 1, 2, lifeline])
     os.close(lifeline)
-    pid = int(connection.recv(64) or 0)
+    answers = connection.makefile("rb")
+    pid = int(answers.readline() or 0)
     if not pid:
         return
     for signum in RELAYED:
         signal.signal(signum, lambda signum, frame: _signal(pid, signum))
-    answer = connection.recv(64)
+    answer = answers.readline()
     code = int(answer) if answer else -signal.SIGKILL
     if code < 0:  # ends as the child did: by the same signal
         with contextlib.suppress(OSError):  # SIGKILL's cannot be set
