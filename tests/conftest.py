@@ -20,7 +20,7 @@ import psutil  # noqa: E402
 import pytest  # noqa: E402
 import warm  # noqa: E402
 from filelock import FileLock  # noqa: E402
-from helpers import processes_killed_on_exit, shared_cache_env  # noqa: E402
+from helpers import CACHE_MAX_SIZE, processes_killed_on_exit, shared_cache_env  # noqa: E402
 from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
 
 
@@ -43,7 +43,7 @@ def compiled_programs_kept_for_the_session(tmp_path_factory):
 
     directory = str(shared_dir(tmp_path_factory, "jax-compilation-cache"))
     os.environ.update(shared_cache_env(directory))
-    jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+    jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE)  # this process read its variables before
     yield compile_cache.enable(directory)
 
 

@@ -102,12 +102,15 @@ def user_env(*left_out: str, **extra) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", *left_out)}, **extra}
 
 
+CACHE_MAX_SIZE = 2**34  # a limit on the session's compilation cache: JAX then locks the folder for each entry
+
+
 def shared_cache_env(directory: str) -> dict[str, str]:
     """The variables of the session's compilation cache (conftest.py) in ``directory``: JAX's, which a child
     reads on import, and the ``estimax`` command's, which names the same folder."""
     return {
         "JAX_COMPILATION_CACHE_DIR": directory,
-        "JAX_COMPILATION_CACHE_MAX_SIZE": str(2**34),  # a limit: JAX then locks the folder for each entry
+        "JAX_COMPILATION_CACHE_MAX_SIZE": str(CACHE_MAX_SIZE),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
         "ESTIMAX_COMPILATION_CACHE": directory,
