@@ -22,6 +22,8 @@ with its streams, environment and working directory, in a session of its own. It
 process: it passes on the signals it gets and ends as the child did, with its exit code or signal. A
 SIGKILL of it kills the child too (the child watches a pipe only it holds), and the child holds the
 launcher's pipe of its output, so the launcher, which reads that to its end, sees the two end together.
+Two launched processes reach the launcher in the order their relays report, not always the order their
+children ended in, so a test of that order leaves ``LAUNCH_ENV`` out of the launcher's environment.
 """
 
 import contextlib
