@@ -193,14 +193,20 @@ def hand_over(path: str) -> None:
         return
     lifeline, _held = os.pipe()  # the write end stays open here: its end is the child's sign that this one died
     request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
-    socket.send_fds(connection, [request], [0, 1, 2, lifeline])
-    os.close(lifeline)
-    answers = connection.makefile("rb")
-    pid = int(answers.readline() or 0)
+    # Held from here until they can be relayed: the child may speak (and be signalled) before its pid arrives.
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
+    try:
+        socket.send_fds(connection, [request], [0, 1, 2, lifeline])
+        os.close(lifeline)
+        answers = connection.makefile("rb")
+        pid = int(answers.readline() or 0)
+        if pid:
+            for signum in RELAYED:
+                signal.signal(signum, lambda signum, frame: _signal(pid, signum))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     if not pid:
         return
-    for signum in RELAYED:
-        signal.signal(signum, lambda signum, frame: _signal(pid, signum))
     answer = answers.readline()
     code = int(answer) if answer else -signal.SIGKILL
     if code < 0:  # ends as the child did: by the same signal
