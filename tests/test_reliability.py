@@ -99,7 +99,7 @@ def test_a_second_estimax_train_on_the_same_model_dir_fails_naming_the_first(tmp
     # Far more steps than the second process needs to start: the first one is still writing then.
     first = warm.Popen([*command, "--max-steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     _wait_for(lambda: os.path.exists(os.path.join(model_dir, LOCK_FILE)), first)
-    second = subprocess.run([*command, "--max-steps", "12"], capture_output=True, text=True, timeout=180)
+    second = warm.run([*command, "--max-steps", "12"], capture_output=True, text=True, timeout=180)
     out = second.stdout + second.stderr
     assert first.poll() is None, "the first writer ended before the second started"
     assert second.returncode == 2 and "estimax: error: " in out and "Traceback" not in out, out  # one line
