@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -30,7 +31,7 @@ from estimax.errors import LeaseLostError, ModelDirLockedError, StoreUnavailable
 from estimax.run.holder import LOCK_FILE, Holder, this_process
 from estimax.run.lease import LeaseLock
 from estimax.run.lease_proof import PAUSE_SECONDS
-from estimax.run.lock import Lock
+from estimax.run.lock import Lock, read_holder
 
 LEASE = 4.0  # seconds: the pauses below last a little longer than this
 
@@ -333,6 +334,21 @@ def test_on_a_disk_a_later_attempt_takes_a_live_holders_lock_over_and_the_paused
     assert _files(model_dir) == before
     assert json.loads(storage.read_bytes(os.path.join(model_dir, LOCK_FILE)))["pid"] == second.pid
     second.communicate("\n", timeout=60)
+
+
+def test_a_check_while_a_later_attempt_takes_the_lock_over_on_a_disk_names_that_attempt(tmp_path, monkeypatch):
+    """A taker moves the lock aside, then writes its own record: a check in between waits for the record
+    (it named nobody, "another process took over", when the taker was slow under load)."""
+    monkeypatch.setenv("ESTIMAX_RUN_ID", "job-13")
+    lock = Lock(str(tmp_path / "run")).acquire(training=True)
+    mine = read_holder(lock.path)
+    later = dataclasses.replace(mine, pid=mine.pid + 1, attempt_started=mine.attempt_started + 1)
+    os.rename(lock.path, lock.path + ".stale")  # the taker's first move
+    writer = threading.Timer(0.5, lambda: storage.write_bytes(lock.path, later.to_json().encode()))
+    writer.start()
+    with pytest.raises(LeaseLostError, match=r"a later attempt of this process's run \(ESTIMAX_RUN_ID=job-13\)"):
+        lock.check()
+    writer.join()
 
 
 def test_on_a_shared_disk_another_hosts_earlier_attempt_is_taken_over_and_another_run_is_not(

@@ -128,6 +128,10 @@ class Lock:
         if not self.held or self._record.run is None:
             return
         holder = read_holder(self.path)
+        deadline = time.monotonic() + _WRITING_SECONDS
+        while holder is None and time.monotonic() < deadline:  # a taker moved it aside: its record follows
+            time.sleep(0.05)
+            holder = read_holder(self.path)
         if holder != self._record:
             raise taken_over(self.model_dir, self.path, holder, self._record, self.committed_step())
 
