@@ -11,12 +11,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import warm
 from helpers import MULTIHOST_JOB, checkpoint_steps, job_env
 
 from estimax import distributed
+from estimax.group import peers
 from estimax.group.peers import PEER_LOST_EXIT_CODE
 
 TIMEOUT = 2
@@ -136,3 +138,36 @@ def test_a_frozen_process_of_four_is_named_by_each_survivor_and_one_that_ended_n
         assert f"Process {r}: lost process 2 (host {socket.gethostname()}) of the group of 4" in line
         assert "process 1" not in line  # it said it was leaving
         assert "No checkpoint was committed in this run" in line
+
+
+class _HeldClient:
+    """JAX's key-value client as the watch calls it, in memory; calls from other threads wait for ``opened``."""
+
+    def __init__(self):
+        self.values, self.opened = {}, threading.Event()
+
+    def _hold(self):
+        if threading.current_thread() is not threading.main_thread():
+            self.opened.wait()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        self._hold()
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        self._hold()
+        time.sleep(timeout_in_ms / 1000)
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+
+
+def test_a_process_says_its_host_before_initialize_returns_so_one_frozen_at_once_is_named(monkeypatch):
+    """A process frozen right after ``initialize`` (before its beat thread ran) is named by its host."""
+    monkeypatch.setattr(peers, "_this_process", None)
+    client = _HeldClient()
+    watch = peers.PeerWatch(client, process=2, num_processes=4, timeout=1.0)
+    watch.start()
+    try:  # nothing but start() has run: every other thread waits at the client
+        assert client.values == {f"{peers._ALIVE}2": f"0 {socket.gethostname()}"}
+    finally:
+        client.opened.set()
+        watch.leave()

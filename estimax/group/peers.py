@@ -133,6 +133,8 @@ class PeerWatch:
         if self.process == 0:
             self._server = socket.create_server(("", 0), backlog=self.num_processes)
             self.client.key_value_set(_LIFELINE, f"{self.host}:{self._server.getsockname()[1]}", allow_overwrite=True)
+        else:  # the first beat before initialize returns: a process frozen right after is still named by host
+            self._alive(0)
         threading.Thread(target=lifeline, daemon=True, name="estimax-lifeline").start()
         self._thread.start()
         atexit.register(self.leave)  # before JAX's own shutdown, registered when JAX was imported
@@ -191,11 +193,14 @@ class PeerWatch:
         if ended != _LEAVING and not self._leaving.is_set():
             self._stop(self._coordinator_lost("its connection to this process closed"))
 
+    def _alive(self, count: int) -> None:
+        self.client.key_value_set(f"{_ALIVE}{self.process}", f"{count} {socket.gethostname()}", allow_overwrite=True)
+
     def _beat(self) -> None:
-        host, count = socket.gethostname(), 0
+        count = 0
         while not self._leaving.is_set():
             count += 1
-            self.client.key_value_set(f"{_ALIVE}{self.process}", f"{count} {host}", allow_overwrite=True)
+            self._alive(count)
             self._ask_committed(wait=False)  # the step to name if process 0 is lost: known beforehand
             try:  # waits one interval for process 0's word
                 word = self.client.blocking_key_value_get(f"{_WORD}{self.process}", int(self.interval * 1000))
