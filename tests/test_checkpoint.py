@@ -246,8 +246,8 @@ def test_readme_fine_tuning_example(tmp_path):
     from estimax.examples import digits
 
     train, _ = digits.load()
-    config = ex.RunConfig(model_dir=str(tmp_path / "digits"), train_batch_size=64, steps_per_loop=5, loop="step")
-    digits.estimator(config).train(train, max_steps=10)
+    config = ex.RunConfig(model_dir=str(tmp_path / "digits"), train_batch_size=16, steps_per_loop=5, loop="step")
+    digits.estimator(config).train(train, max_steps=5)  # the guide's 128 examples a step only cost time here
 
     first_five = train.labels < 5
     subset = ex.data.from_arrays({"image": train.features["image"][first_five]}, train.labels[first_five])
@@ -255,7 +255,7 @@ def test_readme_fine_tuning_example(tmp_path):
         model=digits.build_model,
         model_fn=digits.model_fn,
         optimizer=digits.optimizer(),
-        config=ex.RunConfig(model_dir=str(tmp_path / "digits-0to4"), train_batch_size=64, steps_per_loop=5),
+        config=ex.RunConfig(model_dir=str(tmp_path / "digits-0to4"), train_batch_size=16, steps_per_loop=5),
         params={"num_classes": 5},
         warm_start=ex.WarmStart(str(tmp_path / "digits"), exclude=["head/.*"]),
     )
@@ -269,7 +269,7 @@ def test_readme_fine_tuning_example(tmp_path):
         "dense/kernel",
     ]
     assert plan.initialised == ["head/bias", "head/kernel"]
-    tuned.train(subset, max_steps=10)
+    tuned.train(subset, max_steps=5)
     assert tuned.evaluate(subset)["num_examples"] == first_five.sum()
 
 

@@ -295,7 +295,7 @@ def test_the_cli_under_the_launcher_trains_and_predicts_every_example(tmp_path):
             subprocess.Popen(command, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
 
-    out = cli("train", "--max-steps", "10", "--steps-per-loop", "10", "--loop", "step")
+    out = cli("train", "--max-steps", "10", "--steps-per-loop", "10", "--loop", "step", "--batch-size", "16")
     assert "[0] held-out accuracy" in out and "on 360 examples after 10 steps" in out
     assert "[1] held-out" not in out  # process 0 speaks for the group
     output = tmp_path / "predictions.jsonl"

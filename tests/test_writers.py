@@ -348,7 +348,8 @@ def test_sigterm_on_a_full_disk_ends_the_process(small_disk):
     model_dir = os.path.join(small_disk, "run")
     command = [sys.executable, "-m", "estimax.cli", "train", "--model-dir", model_dir, "--loop", "step"]
     process = _start(
-        [*command, "--batch-size", "16", "--steps-per-loop", "2", "--max-steps", "100000000"], "train step"
+        [*command, "--batch-size", "16", "--steps-per-loop", "2", "--log-every-steps", "2", "--max-steps", "100000000"],
+        "train step",
     )
     _fill(small_disk)
     process.send_signal(signal.SIGTERM)

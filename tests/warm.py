@@ -44,7 +44,9 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal
 # Variables that libraries read on import (or when their native code loads): children that differ in them
 # get a warm interpreter of their own.
 START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_")
-PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli")
+# What nearly every child imports; scikit-learn for the digits task the command line trains by default.
+PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
+             "sklearn.datasets", "sklearn.model_selection")  # fmt: skip
 _PR_SET_CHILD_SUBREAPER = 36
 
 
