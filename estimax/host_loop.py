@@ -126,11 +126,12 @@ class HostLoop:
         """The last evaluation's results: one dict for an unnamed input, ``{name: results}`` for sets."""
         return eval_sets.returned(self.last_results) if self.last_results else {}
 
-    def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None = None):
+    def run(self, state, info: RunInfo, chunks, publish: Callable, evaluation: Evaluation | None, preemption):
         """Trains from ``info.start_step`` over ``chunks`` (a ``feed.Prefetch``); returns ``(state, step)``.
 
         ``publish(state, step, input_state)`` is called after every dispatch, so that the
-        caller always holds the newest state (also when an error stops training).
+        caller always holds the newest state (also when an error stops training). ``preemption``:
+        the call's active ``PreemptionWatch``; a signal it caught stops training after a loop.
         """
         began = time.perf_counter()
         self._summaries = info.summaries
@@ -140,9 +141,8 @@ class HostLoop:
         self.sync.barrier(f"the first loop (training from step {info.start_step})")
         self.saves.begin()
         try:
-            with PreemptionWatch(saves=self.saves.enabled) as preemption:
-                state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
-                self._finish(state, last, unread, evaluation, preemption)
+            state, last, unread = self._loops(state, info.start_step, chunks, publish, evaluation, preemption)
+            self._finish(state, last, unread, evaluation, preemption)
             step = info.start_step if last is None else last.step_after
             self._end(step, time.perf_counter() - began)
             if preemption.signal_name is not None:

@@ -28,6 +28,7 @@ from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
 from estimax.errors import ConfigError
+from estimax.group.preemption import PreemptionWatch
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.host_loop import Evaluation, HostLoop
 from estimax.loop import DeviceLoop
@@ -143,10 +144,15 @@ class TrainCall:
         returns the loop that ran, or ``None`` when the state is already at the target step. ``hooks``:
         as ``hooks()`` gave them; ``computation()``: the training step's fingerprint, which the run records."""
         self.plan.check(TRAIN, EVAL, PREDICT)
-        with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
-            return self._train(input, lengths, hooks, evaluation, computation)
+        # From the call's start: a signal while the lock is taken or the state restored ends the first loop
+        # with a checkpoint, as one during training does, instead of killing a process that holds the lock.
+        with PreemptionWatch(saves=self.run_dir.checkpoints.saves) as preemption:
+            with self.run_dir.writing(self.sync, evaluation.best if evaluation is not None else None):
+                return self._train(input, lengths, hooks, evaluation, computation, preemption)
 
-    def _train(self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None, computation):
+    def _train(
+        self, input, lengths: tuple, hooks: Sequence[Hook], evaluation: Evaluation | None, computation, preemption
+    ):
         state = self.current.current()
         if jax.process_count() > 1:
             self.sync.barrier("the checkpoints were checked")  # process 0 may have moved damaged ones aside
@@ -189,7 +195,7 @@ class TrainCall:
         info = RunInfo(start, target, self.config.train_batch_size, per_epoch, self.run_dir.url, summaries)
         with feed.Prefetch(chunks) as chunks:
             try:
-                loop.run(state, info, chunks, self.current.publish, evaluation)
+                loop.run(state, info, chunks, self.current.publish, evaluation, preemption)
             except BaseException:
                 metric_logger.close(raise_errors=False)  # its writers keep what they hold; the error in flight goes on
                 raise

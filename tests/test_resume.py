@@ -1,10 +1,24 @@
 """Killed and resumed runs end exactly where an uninterrupted run ends (real subprocesses)."""
 
+import os
 import signal
+import sys
 
 import numpy as np
 import pytest
-from helpers import RESUMABLE_STEPS, final_params, saved_checkpoints, start_resumable, train_losses, wait_for
+import warm
+from helpers import (
+    RESUMABLE_STEPS,
+    final_params,
+    job_env,
+    saved_checkpoints,
+    start_resumable,
+    train_losses,
+    wait_for,
+)
+
+from estimax.group.preemption import PreemptionWatch
+from estimax.run.holder import LOCK_FILE
 
 
 def _run(model_dir, max_steps=RESUMABLE_STEPS):
@@ -107,3 +121,39 @@ def test_a_plain_generator_resumed_from_a_checkpoint_is_said_to_start_again(mode
     estimator(model_dir, steps_per_loop=2).train(batches(), max_steps=6)
     said = [r.getMessage() for r in estimax_log.records if "cannot know where an iterable stood" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("Resuming at step 4 from a checkpoint with a "), said
+
+
+SIGNAL_BEFORE_THE_FIRST_LOOP = """
+import os, signal, sys
+from models import blobs, estimator
+import estimax as ex
+
+class SignalAtBegin(ex.Hook):
+    def begin(self, info):  # the model_dir's lock is held and the state restored; no loop has run
+        os.kill(os.getpid(), signal.SIGTERM)
+
+estimator(sys.argv[1], steps_per_loop=2).train(ex.data.from_arrays(*blobs(64)), max_steps=10, hooks=[SignalAtBegin()])
+"""
+
+
+def test_a_sigterm_before_the_first_loop_saves_after_it_and_exits_for_requeue(tmp_path):
+    """A signal while a call sets up (its lock taken) is answered as one during training, not by dying."""
+    model_dir = str(tmp_path / "run")
+    command = [sys.executable, "-c", SIGNAL_BEFORE_THE_FIRST_LOOP, model_dir]
+    result = warm.run(command, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 75, result.stdout + result.stderr
+    assert "SIGTERM: training stopped at step 2 after saving a checkpoint" in result.stderr, result.stderr
+    assert saved_checkpoints(model_dir)[0] == [2] and not os.path.exists(os.path.join(model_dir, LOCK_FILE))
+
+
+def test_a_signal_no_loop_answered_reaches_the_previous_handler_when_the_watch_ends():
+    """A call with nothing to train still ends as the signal asks, once its watch is over."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: received.append(signum))
+    try:
+        with PreemptionWatch() as watch:
+            signal.raise_signal(signal.SIGTERM)
+            assert watch.signal_name == "SIGTERM" and received == []  # remembered, not delivered
+        assert received == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,7 +1,8 @@
 """Children of the tests forked from a warm interpreter instead of started cold.
 
 A child that trains, evaluates or predicts spends about 2.3 s of CPU importing JAX, Flax, Optax, Orbax,
-Grain and estimax before its first line, and the suite starts hundreds of them on 2 cores. A warm
+Grain and estimax before its first line (1.7 s more for scikit-learn where it trains the command line's
+digits task), and the suite starts hundreds of them on 2 cores. A warm
 interpreter (this file run as a script: one per distinct start-up environment, kept for the session)
 imports them once and forks each child. The child is still a real process of its own: its own pid,
 environment, working directory, standard streams, session and signal dispositions, and the test's process

@@ -89,7 +89,8 @@ class PreemptionWatch:
     """While active, remembers a SIGTERM/SIGINT instead of dying on it.
 
     A second SIGINT (Ctrl-C twice) is one line: the stop and the save are under way. A third
-    raises ``KeyboardInterrupt`` at once, without the save.
+    raises ``KeyboardInterrupt`` at once, without the save. A signal that no training loop
+    answered (the call had nothing to train) is raised again once the previous handlers are back.
     """
 
     _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -110,10 +111,12 @@ class PreemptionWatch:
             self._previous = {signal.SIGUSR1: signal.signal(signal.SIGUSR1, _as_sigterm)}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, error_type, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+        if error_type is None and self.signal_name is not None:  # a loop answers with Preempted or Interrupted
+            signal.raise_signal(signal.Signals[self.signal_name])
 
     def _handle(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
