@@ -154,7 +154,7 @@ def test_a_paused_holder_on_s3_goes_on_when_nobody_took_its_lease_and_stops_when
 
 def test_a_store_that_goes_away_mid_run_ends_it_within_its_lease_with_one_line(tmp_path):
     emulator = GCSEmulator(str(tmp_path / "gcs"))
-    settings = {"ESTIMAX_LEASE_SECONDS": str(LEASE), "ESTIMAX_STORE_DEADLINE_SECONDS": "2"}
+    settings = {"ESTIMAX_LEASE_SECONDS": str(LEASE), "ESTIMAX_STORE_DEADLINE_SECONDS": str(2 * LEASE)}
     try:
         job = warm.Popen(
             [sys.executable, LEASE_JOB, "gs://bkt/cut", "6", "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -5,6 +5,7 @@ TensorStore's credentials line stays where it means something: on an endpoint th
 """
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -109,3 +110,20 @@ def test_tensorstore_credentials_line_stays_off_the_emulator_only(tmp_path):
         assert run.returncode == 0 and run.stdout == "missing\n", run.stdout + run.stderr
     assert "Could not find the credentials file" in elsewhere.stderr, elsewhere.stderr
     assert on_emulator.stderr == "", on_emulator.stderr
+
+
+def test_a_failed_read_ahead_is_said_by_its_reader_not_by_fsspecs_logger(caplog):
+    """fsspec's read-ahead logs each read that failed with its traceback, then raises it to the reader
+    (estimax says it as one line): its errors stay off the console, its warnings do not."""
+    from estimax.records import noise
+
+    noise.quiet_libraries()
+    log = logging.getLogger("fsspec.prefetcher")
+    with caplog.at_level(logging.WARNING, logger="fsspec.prefetcher"):
+        try:
+            raise OSError("the store went away")
+        except OSError:
+            log.exception("Consumer caught an error.")
+        log.error("Global error state set in BackgroundPrefetcher: %s", "the store went away")
+        log.warning("BackgroundPrefetcher teardown did not complete within 5s; it will keep running in the background.")
+    assert [r.levelname for r in caplog.records] == ["WARNING"]

@@ -6,8 +6,10 @@ lacks), and, when a background save fails, errors whose failure estimax
 raises itself as one line (a full disk names the directory and the last good
 checkpoint). Orbax's background event loop can also report "Event loop is
 closed" from a thread, a callback or a destructor once its work is done. gcsfs
-logs a traceback for each request it gives up on, an error its caller gets
-and estimax reports. Only these are filtered; other libraries' messages pass.
+logs a traceback for each request it gives up on, and fsspec's read-ahead
+(``fsspec.prefetcher``) one for each read that failed: errors their callers
+get and estimax reports. Only these are filtered; other libraries' messages
+pass.
 
 TensorStore (Orbax's arrays on ``gs://``) looks for Google credentials once
 per process and, finding none, writes an error line from C++ straight to the
@@ -63,6 +65,14 @@ class _GivenUp(logging.Filter):
         return "out of retries on exception" not in message and "non-retriable exception" not in message
 
 
+class _ReadAheadErrors(logging.Filter):
+    """fsspec's read-ahead logs each failed read (with its traceback, several times over: the producer,
+    the consumer, the fetch) and raises it to the reader, where estimax says it. Its warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
 class _ClosedLoop(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not (
@@ -103,6 +113,7 @@ def quiet_libraries() -> None:
     absl.addFilter(_OrbaxChatter())
     logging.getLogger("gcsfs").addFilter(_NoCredentials())
     logging.getLogger("gcsfs").addFilter(_GivenUp())
+    logging.getLogger("fsspec.prefetcher").addFilter(_ReadAheadErrors())
     logging.getLogger("google.auth._default").addFilter(_NoCredentials())
     logging.getLogger("asyncio").addFilter(_ClosedLoop())
     sys.unraisablehook = _unraisable(sys.unraisablehook)
