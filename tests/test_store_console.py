@@ -115,7 +115,7 @@ def test_tensorstore_credentials_line_stays_off_the_emulator_only(tmp_path):
 def test_a_failed_read_ahead_is_said_by_its_reader_not_by_fsspecs_logger(caplog):
     """fsspec's read-ahead logs each read that failed with its traceback, then raises it to the reader
     (estimax says it as one line): its errors stay off the console, its warnings do not."""
-    from estimax.records import noise
+    from estimax.storage import noise
 
     noise.quiet_libraries()
     log = logging.getLogger("fsspec.prefetcher")

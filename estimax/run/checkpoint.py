@@ -37,7 +37,6 @@ from estimax import storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
 from estimax.fine_tuning import averaging
-from estimax.records import noise
 from estimax.run import pruning
 from estimax.run.checkpoint_checks import check_structure, checksums, disk_errors, first_line, saved_shapes
 from estimax.run.checkpoint_meta import CheckpointMeta
@@ -45,7 +44,7 @@ from estimax.run.checkpoint_repair import move_aside, remove_unfinished, step_id
 from estimax.run.fenced_commit import temporary_path_class
 from estimax.run.run_setup import RunSetup
 from estimax.run.save_schedule import SaveSchedule
-from estimax.storage import orbax_s3, unanswered
+from estimax.storage import noise, orbax_s3, unanswered
 
 logger = logging.getLogger("estimax")
 CHECKPOINTS = "checkpoints"  # a model_dir's folder of checkpoints (``run_dir.py`` lays out the rest)

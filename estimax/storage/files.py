@@ -20,7 +20,7 @@ import posixpath
 import uuid
 
 from estimax.errors import StorageError
-from estimax.records import noise
+from estimax.storage import noise
 from estimax.storage.clients import CLIENTS, EMULATOR_VARIABLES, client_options, emulator_endpoint, use_one_client
 from estimax.storage.deadlines import bounded, deadline_seconds, unanswered, with_deadline
 from estimax.storage.paths import is_url, scheme
