@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.estimator import Estimator as Estimator
     from estimax.estimator import UntrainedWarning as UntrainedWarning
     from estimax.fine_tuning import LoRA as LoRA
-    from estimax.fine_tuning.warm_start import WarmStart as WarmStart
     from estimax.follow import FollowPolicy as FollowPolicy
     from estimax.group.peers import PEER_LOST_EXIT_CODE as PEER_LOST_EXIT_CODE
     from estimax.group.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -38,6 +37,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.hooks import EarlyStopping as EarlyStopping
     from estimax.hooks import Hook as Hook
     from estimax.loop import Compiled as Compiled
+    from estimax.run.warm_start import WarmStart as WarmStart
     from estimax.spec import EVAL as EVAL
     from estimax.spec import PREDICT as PREDICT
     from estimax.spec import TRAIN as TRAIN
@@ -68,7 +68,7 @@ _NAMES = {
     "Mode": "estimax.spec",
     "Spec": "estimax.spec",
     "TrainState": "estimax.state",
-    "WarmStart": "estimax.fine_tuning.warm_start",
+    "WarmStart": "estimax.run.warm_start",
     **dict.fromkeys(_errors.__all__, "estimax.errors"),  # every error kind, as ex.ConfigError
 }
 

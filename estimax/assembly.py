@@ -118,11 +118,20 @@ def assemble(model, model_fn, optimizer, config, params: dict, warm_start, host_
         train_call=TrainCall(config, ModelOnMesh(core, layout), plan, run_dir, current, sync, writers),
         state_shapes=shapes,
         trainable=trainable,
-        merged=functools.partial(lora.merged_core, model, params, config, core, mesh) if config.lora else None,
+        merged=functools.partial(_merged_core, model, params, config, core, mesh) if config.lora else None,
     )
     ensure_console()
     freezing.report(trainable)
     return parts
+
+
+def _merged_core(model, hparams: dict, config, core: Core, mesh, state, *, merge: bool = True):
+    """``(Core of the model without adapters, state with the adapters merged)``: what export writes;
+    ``merge=False``: the state of the base alone, the adapters left out (an adapters-only export's base)."""
+    with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
+        base_adapter = resolve_model(model, hparams, config.seed)
+    base = Core(base_adapter, core.model_fn, core.optimizer, core.hparams, core.seed, core.compute_dtype)
+    return base, lora.merged(base_adapter, state, config.lora, merge)
 
 
 def _state_shapes(abstract_state, layout):

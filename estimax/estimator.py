@@ -21,7 +21,6 @@ from estimax.checks import calls, validation
 from estimax.config import Best, RunConfig
 from estimax.data.plan import InputPlan
 from estimax.fine_tuning import lora as lora_lib
-from estimax.fine_tuning.warm_start import WarmStart
 from estimax.fingerprint import Computation
 from estimax.follow import FollowPolicy
 from estimax.hooks import Hook
@@ -29,6 +28,7 @@ from estimax.layout import ShardingPlan
 from estimax.loop import Compiled, live_model
 from estimax.metrics import Metric
 from estimax.run.current_state import UntrainedWarning  # noqa: F401 (public here)
+from estimax.run.warm_start import WarmStart
 from estimax.serving import adapter_export
 from estimax.serving import export as export_lib
 from estimax.serving.export_base import ExportBase

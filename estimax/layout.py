@@ -35,7 +35,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from estimax import mesh as mesh_lib
-from estimax.config import DEFAULT_FSDP_MIN_BYTES
 from estimax.errors import ConfigError
 from estimax.state import TrainState, leaf_names
 
@@ -124,11 +123,11 @@ def build(
     mesh: Mesh,
     abstract_state: TrainState,
     optimizer: optax.GradientTransformation,
-    rules: Sequence[tuple[str, tuple]] = (),
-    fsdp_min_bytes: int = DEFAULT_FSDP_MIN_BYTES,
+    rules: Sequence[tuple[str, tuple]],
+    fsdp_min_bytes: int,
 ) -> Layout:
-    """The layout of ``abstract_state`` (shapes only) on ``mesh``; raises before anything compiles
-    when a rule places nothing or cannot be applied."""
+    """The layout of ``abstract_state`` (shapes only) on ``mesh`` under ``rules`` and ``fsdp_min_bytes``
+    (``RunConfig``'s); raises before anything compiles when a rule places nothing or cannot be applied."""
     rep = mesh_lib.replicated(mesh)
     used = [False] * len(rules)
     param_specs, param_sources = _param_specs(mesh, abstract_state.params, rules, used, fsdp_min_bytes)

@@ -109,7 +109,7 @@ class TrainCall:
         hooks = self.hooks(hooks, best, best_set)  # with early stopping where best has a patience
         validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = checks.train(train_input)
-        used = validation.metrics_used(hooks, best)
+        used = validation.metrics_used(hooks, best.metric if best is not None else None)
         checked = {name: checks.evaluate(input, used) for name, input in sets.items()}
         evaluation = self.evaluation(
             lambda name, state, should_stop: run(name, checked[name], state, should_stop=should_stop),

@@ -26,7 +26,6 @@ import numpy as np
 
 from estimax import eval_sets, fingerprint, precision
 from estimax import metrics as metrics_lib
-from estimax.config import Best
 from estimax.data import checks
 from estimax.data.source import SizedSource, Source
 from estimax.errors import ConfigError, ConfigTypeError, SpecError
@@ -57,9 +56,9 @@ def metric_names(names) -> list[str]:
     return sorted({*names, "num_examples"})
 
 
-def metrics_used(hooks: Sequence[Hook], best: Best | None) -> dict[str, str]:
-    """``{metric: who uses it}`` of the eval metrics that ``best`` and early stopping read."""
-    used = {best.metric: f"Best(metric={best.metric!r})"} if best is not None else {}
+def metrics_used(hooks: Sequence[Hook], best_metric: str | None) -> dict[str, str]:
+    """``{metric: who uses it}`` of the eval metrics that ``Best(metric=best_metric)`` and early stopping read."""
+    used = {best_metric: f"Best(metric={best_metric!r})"} if best_metric is not None else {}
     for hook in hooks:
         if isinstance(hook, EarlyStopping) and eval_sets.is_eval_split(hook.split):
             used.setdefault(hook.metric, f"EarlyStopping(metric={hook.metric!r})")

@@ -29,8 +29,8 @@ from estimax.cli.flags import RUN_FLAGS, with_fsdp
 from estimax.config import RunConfig
 from estimax.data import feed
 from estimax.errors import CheckpointError, ConfigError, ModelFnError
-from estimax.fine_tuning.warm_start import WarmStart
 from estimax.follow import FollowPolicy
+from estimax.run.warm_start import WarmStart
 from estimax.spec import EVAL
 
 logger = logging.getLogger("estimax")

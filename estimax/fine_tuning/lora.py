@@ -196,18 +196,6 @@ def merged_params(params, settings: LoRA) -> dict[str, np.ndarray]:
     return arrays
 
 
-def merged_core(model, hparams: dict, config, core, mesh, state, *, merge: bool = True):
-    """``(Core of the model without adapters, state with the adapters merged)``: what export writes;
-    ``merge=False``: the state of the base alone, the adapters left out (an adapters-only export's base)."""
-    from estimax.models import resolve as resolve_model  # the layer of models, used at export only
-    from estimax.step import Core
-
-    with jax.set_mesh(mesh):  # modules that declare shardings need a mesh to trace
-        base_adapter = resolve_model(model, hparams, config.seed)
-    base = Core(base_adapter, core.model_fn, core.optimizer, core.hparams, core.seed, core.compute_dtype)
-    return base, merged(base_adapter, state, config.lora, merge)
-
-
 def merged(base_adapter, state, settings: LoRA, merge: bool = True):
     """``state`` with the base model's parameter tree (of ``base_adapter``), adapters merged in (or left out)."""
     arrays = merged_params(state.params, settings) if merge else split_params(state.params)[0]

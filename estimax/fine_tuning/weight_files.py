@@ -11,7 +11,7 @@ Names are the file's own: safetensors keys as written (``encoder.layer.0.attenti
 ``/``-joined tree paths for msgpack and Orbax (``params/Dense_0/kernel``); for Keras, the layer names
 from the model down and the variable's index in its layer (``dense_1/0`` for a Dense layer's kernel,
 ``dense_1/1`` for its bias), as the file keeps no variable names. Does not own estimax's own
-checkpoints (``checkpoint.py``) nor which parameter takes which array (``warm_start.py``).
+checkpoints (``checkpoint.py``) nor which parameter takes which array (``run/warm_start.py``).
 """
 
 from __future__ import annotations

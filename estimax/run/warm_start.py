@@ -7,7 +7,7 @@ initialised state. Parameter paths are ``/``-joined, e.g. ``conv1/kernel`` or ``
 Sources: another estimax run (its model_dir, checkpoints directory or one step directory), or a
 weights file or directory that ``weight_files.py`` reads (safetensors, Keras ``.weights.h5``,
 Flax msgpack, another project's Orbax checkpoint, ``.npz``, ``.npy`` files). Does not own reading
-those files (``weight_files.py``) nor estimax's checkpoints (``checkpoint.py``).
+those files (``fine_tuning/weight_files.py``) nor estimax's checkpoints (``checkpoint.py``).
 """
 
 from __future__ import annotations
