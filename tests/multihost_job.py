@@ -68,8 +68,9 @@ def main():
         layout.update(mesh={"data": 4, "model": 2}, sharding_rules=rules)
     process = jax.process_index()
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"pid-{process}"), "w") as f:
+    with open(os.path.join(out_dir, f"pid-{process}.tmp"), "w") as f:
         f.write(str(os.getpid()))
+    os.rename(f.name, os.path.join(out_dir, f"pid-{process}"))  # whole: a test that sees the file kills this pid
     est = estimator(
         model_dir,
         loop="scan",
