@@ -27,8 +27,8 @@ from estimax.distributed import Sync
 from estimax.evaluations import Evaluations
 from estimax.evaluator import Evaluator
 from estimax.fine_tuning import averaging, freezing, lora
+from estimax.hooks.call_writers import CallWriters
 from estimax.models import resolve as resolve_model
-from estimax.records.call_writers import CallWriters
 from estimax.records.writers import ensure_console
 from estimax.run import checkpoint as checkpoint_lib
 from estimax.run import resize, run_setup

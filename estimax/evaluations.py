@@ -6,7 +6,7 @@ each named set checked before any runs; the Estimator's host metrics unless a ca
 own; ``ema_decay`` beside the results of the average; and, for ``evaluate``, the results
 recorded under each set's split where the run's own computation made the state. Does not own
 the evaluation itself (``evaluator.py``), which sets an input names (``eval_sets.py``), which
-state is current (``run/current_state.py``) nor where records go (``records/call_writers.py``).
+state is current (``run/current_state.py``) nor where records go (``hooks/call_writers.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from estimax import eval_sets
 from estimax.checks import calls
 from estimax.evaluator import Evaluator
 from estimax.fine_tuning import averaging
+from estimax.hooks.call_writers import CallWriters
 from estimax.metrics import Metric
 from estimax.metrics import host_metrics as host_metrics_lib
-from estimax.records.call_writers import CallWriters
 from estimax.run import run_computation
 
 

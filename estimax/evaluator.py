@@ -27,9 +27,9 @@ from estimax import metrics as metrics_lib
 from estimax.data import feed
 from estimax.data.source import SizedSource
 from estimax.errors import EstimaxError, EvaluationError, InputError, one_line
+from estimax.hooks.progress import EvalProgress
 from estimax.loop import EvalRunner
 from estimax.metrics import host_metrics as host_metrics_lib
-from estimax.records.progress import EvalProgress
 from estimax.spec import EVAL, PREDICT
 from estimax.state import has_deleted_arrays
 

@@ -11,15 +11,15 @@ One tracker run per model_dir: its id is kept in ``<model_dir>/trackers.json``
 The public names of trackers, re-exported here: what they are and how each
 writes (settings, names, each one's writer, the parameters they log, the run
 ids they share) is ``records/tracker_kinds.py``'s; a run's writers
-(``writers``) are ``records/call_writers.py``'s. Does not own when
-records are written (``metric_logger.py``), nor which process writes (only
-process 0, when it may write into model_dir: ``call_writers.py``). A tracker
+(``writers``) are ``hooks/call_writers.py``'s. Does not own when
+records are written (``hooks/metric_logger.py``), nor which process writes (only
+process 0, when it may write into model_dir: ``hooks/call_writers.py``). A tracker
 is a settings object with ``writer(run) -> Writer``: ``TRACKERS`` names them.
 """
 
 from __future__ import annotations
 
-from estimax.records.call_writers import tracker_writers as writers
+from estimax.hooks.call_writers import tracker_writers as writers
 from estimax.records.tracker_kinds import (
     SERVER_PATIENCE,
     TRACKERS,

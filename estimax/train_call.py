@@ -30,9 +30,9 @@ from estimax.data.source import Source
 from estimax.errors import ConfigError
 from estimax.group.preemption import PreemptionWatch
 from estimax.hooks import EarlyStopping, Hook, RunInfo
+from estimax.hooks.call_writers import CallWriters
 from estimax.host_loop import Evaluation, HostLoop
 from estimax.loop import DeviceLoop
-from estimax.records.call_writers import CallWriters
 from estimax.records.profiling import Profiler
 from estimax.records.summaries import Summaries
 from estimax.run import resize, run_computation

@@ -204,7 +204,7 @@ def test_profile_steps_write_a_trace(model_dir):
 
 def test_progress_bar_shows_step_loss_and_throughput(capsys):
     from estimax.hooks import LoopRecord, RunInfo, Summary
-    from estimax.records.progress import ProgressBar
+    from estimax.hooks.progress import ProgressBar
 
     bar = ProgressBar(global_batch_size=32)
     bar.begin(RunInfo(0, 20, 32, 5, None))

@@ -9,7 +9,7 @@ number of devices; MFU divides it by the device's dense peak for the compute
 dtype, from ``PEAKS``. Owns the count, the table and the arithmetic, and the
 walk over a traced step's equations that the loop's choice (``loop.py``) and
 the mixed-precision check (``precision.py``) read; does not own when they are
-logged (``metric_logger.py``).
+logged (``hooks/metric_logger.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ destination; one that wants every step's points (``every_step``) also takes a
 loop's per-step columns in one ``write_steps`` call. Files go to a local disk
 or an object store (``gs://``, ``s3://``): a store cannot append, so there a
 writer keeps what it wrote and uploads whole objects at its flush points.
-Owns no aggregation (``metric_logger.py`` decides what and when) and no thread
+Owns no aggregation (``hooks/metric_logger.py`` decides what and when) and no thread
 (``writer_thread.py`` keeps the file writers off the training thread).
 """
 

@@ -5,7 +5,9 @@ never waits on the device. "Every N steps" means a multiple of N was
 *crossed* (``LoopRecord.crossed(N)``): a loop advances the step by
 ``steps_per_loop``, so multiples are rarely hit exactly. ``after_loop`` and
 ``after_eval`` may return ``True`` to stop training (early stopping does).
-The built-in logging, progress bar and early stopping are hooks too.
+The built-in logging (``metric_logger.py``), progress bar (``progress.py``) and
+early stopping are hooks too; ``call_writers.py`` gives a call its writers and
+built-in hooks.
 
 A stop takes effect at the loop boundary where it was asked: the state at
 that step is the one saved. So that this holds, while any hook may stop from

@@ -4,7 +4,7 @@ files, trackers), the built-in hooks that feed them, and an evaluation's record.
 Owns which writers a process gets (files and trackers on process 0 only, and
 only when it may write into model_dir), the tracker runs an Estimator's calls
 share, and which built-in hooks training gets. Does not own how each writer
-writes (``writers.py``, ``tracker_kinds.py``) nor what a train record holds
+writes (``records/writers.py``, ``records/tracker_kinds.py``) nor what a train record holds
 (``metric_logger.py``).
 """
 
@@ -17,9 +17,9 @@ import jax
 
 from estimax import counting
 from estimax.hooks import Hook
+from estimax.hooks.metric_logger import MetricLogger
+from estimax.hooks.progress import ProgressBar
 from estimax.records import flops
-from estimax.records.metric_logger import MetricLogger
-from estimax.records.progress import ProgressBar
 from estimax.records.tracker_kinds import RunContext, run_parameters
 from estimax.records.writer_thread import InBackground
 from estimax.records.writers import ConsoleWriter

@@ -3,7 +3,7 @@ merged) between log points, every step's scalars for writers that want them,
 evaluations and the end-of-run summary, sent to the writers.
 
 ``MetricLogger`` is a hook: it receives loop records (host values) and
-decides what to write and when; the writers (``writers.py``) own where.
+decides what to write and when; the writers (``records/writers.py``) own where.
 """
 
 from __future__ import annotations
