@@ -8,10 +8,9 @@ One tracker run per model_dir: its id is kept in ``<model_dir>/trackers.json``
 (``run_dir.py`` names the file), so a resumed ``train`` and a later
 ``evaluate`` log to the same run.
 
-The public names of trackers, re-exported here: what they are and how each
-writes (settings, names, each one's writer, the parameters they log, the run
-ids they share) is ``records/tracker_kinds.py``'s; a run's writers
-(``writers``) are ``hooks/call_writers.py``'s. Does not own when
+Owns the writers of a run's trackers and the parameters they log. The
+trackers themselves (settings, names, each one's writer, the run ids they
+share) are ``records/tracker_kinds.py``'s, re-exported here. Does not own when
 records are written (``hooks/metric_logger.py``), nor which process writes (only
 process 0, when it may write into model_dir: ``hooks/call_writers.py``). A tracker
 is a settings object with ``writer(run) -> Writer``: ``TRACKERS`` names them.
@@ -19,16 +18,10 @@ is a settings object with ``writer(run) -> Writer``: ``TRACKERS`` names them.
 
 from __future__ import annotations
 
-from estimax.hooks.call_writers import tracker_writers as writers
-from estimax.records.tracker_kinds import (
-    SERVER_PATIENCE,
-    TRACKERS,
-    MLflow,
-    MLflowWriter,
-    RunContext,
-    resolve,
-    run_parameters,
-)
+import dataclasses
+from collections.abc import Mapping
+
+from estimax.records.tracker_kinds import SERVER_PATIENCE, TRACKERS, MLflow, MLflowWriter, RunContext, resolve
 
 __all__ = [
     "MLflow",
@@ -40,3 +33,27 @@ __all__ = [
     "run_parameters",
     "writers",
 ]
+
+
+def writers(config, params: Mapping, run_ids: dict, run_dir) -> list:
+    """One writer per tracker of ``config`` (a ``RunConfig``); ``params``: the model's hyper-parameters;
+    ``run_dir``: the run's ``RunDir`` (or ``NoRunDir``)."""
+    if not config.trackers:
+        return []
+    from estimax.records.writer_thread import InBackground
+
+    run = RunContext(run_dir.name, run_parameters(config, params), run_ids, run_dir.trackers_file)
+    return [InBackground(tracker.writer(run), repr(tracker)) for tracker in config.trackers]
+
+
+def run_parameters(config, params: Mapping) -> dict:
+    """The run's configuration as flat text: RunConfig fields and ``params.<name>``."""
+    flat = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            flat.update({f"{field.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
+        elif field.name != "trackers":
+            flat[field.name] = value
+    flat.update({f"params.{k}": v for k, v in params.items()})
+    return {k: str(v) for k, v in flat.items()}

@@ -4,24 +4,21 @@ files, trackers), the built-in hooks that feed them, and an evaluation's record.
 Owns which writers a process gets (files and trackers on process 0 only, and
 only when it may write into model_dir), the tracker runs an Estimator's calls
 share, and which built-in hooks training gets. Does not own how each writer
-writes (``records/writers.py``, ``records/tracker_kinds.py``) nor what a train record holds
+writes (``records/writers.py``, ``trackers.py``) nor what a train record holds
 (``metric_logger.py``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 
 import jax
 
-from estimax import counting
+from estimax import counting, trackers
 from estimax.hooks import Hook
 from estimax.hooks.metric_logger import MetricLogger
 from estimax.hooks.progress import ProgressBar
 from estimax.records import flops
-from estimax.records.tracker_kinds import RunContext, run_parameters
-from estimax.records.writer_thread import InBackground
 from estimax.records.writers import ConsoleWriter
 
 logger = logging.getLogger("estimax")
@@ -49,7 +46,7 @@ class CallWriters:
         if jax.process_index() != 0 or not files:
             return found
         found += self.run_dir.file_writers(config.tensorboard, continuing_from)
-        return found + tracker_writers(config, self.params, self._tracker_runs, self.run_dir)
+        return found + trackers.writers(config, self.params, self._tracker_runs, self.run_dir)
 
     def hparams(self) -> dict:
         """The run's hyper-parameters for TensorBoard's HPARAMS tab: the model's ``params`` and the
@@ -90,12 +87,3 @@ class CallWriters:
                     writer.close()
             except OSError as error:
                 logger.warning("%s was not written to %s: %s", what, self.run_dir.url, error)
-
-
-def tracker_writers(config, params: Mapping, run_ids: dict, run_dir) -> list:
-    """One writer per tracker of ``config`` (a ``RunConfig``); ``params``: the model's hyper-parameters;
-    ``run_dir``: the run's ``RunDir`` (or ``NoRunDir``)."""
-    if not config.trackers:
-        return []
-    run = RunContext(run_dir.name, run_parameters(config, params), run_ids, run_dir.trackers_file)
-    return [InBackground(tracker.writer(run), repr(tracker)) for tracker in config.trackers]

@@ -4,11 +4,10 @@ Owns the settings objects (``MLflow``), the names ``RunConfig(trackers=...)``
 and ``--trackers`` take (``TRACKERS``), turning what a user gave into settings
 objects (``resolve``, run by ``RunConfig``), each tracker's writer
 (``MLflowWriter``), and what a writer gets from its run (``RunContext``: the
-configuration to log, the run ids kept in model_dir) and the parameters a
-run's trackers log. Imports no JAX and no
+configuration to log, the run ids kept in model_dir). Imports no JAX and no
 tracker library: a library is an optional extra (``estimax[mlflow]``), looked
-for when a tracker is named and imported only when its writer starts. The public
-names are ``trackers.py``'s.
+for when a tracker is named and imported only when its writer starts. Which
+writers a run gets and the parameters they log are ``trackers.py``'s.
 """
 
 from __future__ import annotations
@@ -184,16 +183,3 @@ class MLflowWriter:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-def run_parameters(config, params: Mapping) -> dict:
-    """The run's configuration as flat text: RunConfig fields and ``params.<name>``."""
-    flat = {}
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if dataclasses.is_dataclass(value):
-            flat.update({f"{field.name}.{k}": v for k, v in dataclasses.asdict(value).items()})
-        elif field.name != "trackers":
-            flat[field.name] = value
-    flat.update({f"params.{k}": v for k, v in params.items()})
-    return {k: str(v) for k, v in flat.items()}

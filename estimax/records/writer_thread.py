@@ -10,7 +10,7 @@ training saves the checkpoint due and stops with one line. Every wait here
 is bounded: a full queue for ``PUT_TIMEOUT`` seconds, the last records at
 ``close`` for ``CLOSE_TIMEOUT``. ``writable()`` says whether the writer may
 write at all (a lost lease on the model_dir: nothing more is written). Owns the thread and the queue; does not own
-what a writer writes (``writers.py``, ``tracker_kinds.py``).
+what a writer writes (``writers.py``, ``trackers.py``).
 """
 
 from __future__ import annotations
