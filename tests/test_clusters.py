@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import warm
@@ -347,6 +348,7 @@ def test_sigusr1_to_every_process_of_a_group_saves_one_step(tmp_path):
             break
     while not all(os.path.exists(f"{out_dir}/pid-{i}") for i in range(2)):
         assert group.poll() is None, group.communicate()[0]
+        time.sleep(0.01)  # not a spin: the group needs these cores
     for i in range(2):
         with open(f"{out_dir}/pid-{i}") as f:
             os.kill(int(f.read()), signal.SIGUSR1)

@@ -232,7 +232,7 @@ def test_sigterm_answers_the_requests_in_flight_and_exits_0(artifact):
         conn.request("POST", "/v1/models/demo:predict", body=body, headers={"Content-Type": "application/json"})
         connections.append(conn)
     while server.request("GET", "/v1/models/demo")[1]["estimax"]["requests_in_flight"] < 6:
-        pass  # the server has read them all; they wait in the batcher
+        time.sleep(0.01)  # until the server has read them all (they wait in the batcher); not a spin on its cores
     server.process.send_signal(signal.SIGTERM)
     for conn in connections:
         response = conn.getresponse()
