@@ -374,8 +374,10 @@ class LeaseLock:
         self._wake.set()
         if self._keeper is not None:
             self._keeper.join(self._call_seconds + 1)
-        if self._lost is not None:
-            return  # another process's lock now, or a store that does not answer: nothing to delete
+        if isinstance(self._lost, ModelDirLockedError):
+            return  # another process's lock now: nothing of this one's to delete
+        # A keeper that gave up on a store that did not answer leaves the object this process wrote: deleted if
+        # the store answers in time (only this version: a taker's is never touched), else one warning.
         deadline = Deadline("releasing the lock", self.path, self.deadline_seconds, fix=self._expires())
         while True:
             try:
