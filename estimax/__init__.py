@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax.fine_tuning import LoRA as LoRA
     from estimax.follow import FollowPolicy as FollowPolicy
     from estimax.group.peers import PEER_LOST_EXIT_CODE as PEER_LOST_EXIT_CODE
-    from estimax.group.preemption import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
     from estimax.group.preemption import Interrupted as Interrupted
     from estimax.group.preemption import Preempted as Preempted
     from estimax.hooks import EarlyStopping as EarlyStopping
@@ -60,7 +59,6 @@ _NAMES = {
     "EarlyStopping": "estimax.hooks",
     "Hook": "estimax.hooks",
     "PEER_LOST_EXIT_CODE": "estimax.group.peers",
-    "PREEMPTED_EXIT_CODE": "estimax.group.preemption",
     "Preempted": "estimax.group.preemption",
     "EVAL": "estimax.spec",
     "PREDICT": "estimax.spec",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import socket
 import time
 from collections.abc import Callable
 
@@ -24,15 +23,10 @@ import jax
 
 from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
 from estimax.group import clusters, peers
+from estimax.group.clusters import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port  # noqa: F401
 
 logger = logging.getLogger("estimax")
 
-COORDINATOR_ENV = "ESTIMAX_COORDINATOR"
-"""The variable naming the coordinator's ``host:port`` of a process group."""
-NUM_PROCESSES_ENV = "ESTIMAX_NUM_PROCESSES"
-"""The variable with the number of processes in the group."""
-PROCESS_ID_ENV = "ESTIMAX_PROCESS_ID"
-"""The variable with this process's index in the group, from 0."""
 ALL_LOGS_ENV = "ESTIMAX_LOG_ALL_PROCESSES"
 """The variable that, set to ``1``, makes every process log INFO lines, not only process 0."""
 _STATUS_KEY = "estimax/status/"
@@ -138,13 +132,6 @@ def initialize(
         peers.bound_seconds(peer_timeout),
     )
     return True
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _int_or_none(env: str, value: int | None) -> int | None:

@@ -51,6 +51,7 @@ __all__ = [
     "ArtifactError",
     "ModelDirLocked",
     "ModelDirNotWritable",
+    "PREEMPTED_EXIT_CODE",
     "STORE_FAILURE_EXIT_CODE",
     "USER_ERROR_EXIT_CODE",
 ]
@@ -134,6 +135,11 @@ STORE_FAILURE_EXIT_CODE = 74
 """The exit status of the ``estimax`` command when the store stopped answering mid-run or another
 process took the model_dir's lease over (``EX_IOERR``): distinct from a preemption (75), a mistake in
 the input (2) and a bug (1)."""
+
+
+PREEMPTED_EXIT_CODE = 75
+"""The exit status after a preemption signal (SIGTERM, SIGUSR1) was answered with a checkpoint:
+``EX_TEMPFAIL``, which tells a supervisor to start the job again."""
 
 
 class StoreUnavailableError(StorageError):

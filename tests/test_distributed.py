@@ -253,6 +253,20 @@ def test_launch_checks_its_arguments():
         launch.launch(["true"], 0)
 
 
+def test_the_launcher_starts_its_processes_without_importing_jax():
+    # A fresh interpreter (not a warm child, which has JAX loaded): the launcher only starts and watches processes.
+    probe = (
+        "import sys\nfrom estimax import cli\n"
+        "code = cli.main(['launch', '--num-processes', '2', '--', sys.executable, '-c', 'print(7 * 6)'])\n"
+        "print('CODE', code, 'JAX', 'jax' in sys.modules, 'NUMPY', 'numpy' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env=job_env(), timeout=60
+    )  # fmt: skip
+    assert "CODE 0 JAX False NUMPY False" in result.stdout, result.stdout + result.stderr
+    assert "[0] 42" in result.stdout and "[1] 42" in result.stdout, result.stdout
+
+
 _KILLS_ITS_PEER = textwrap.dedent(
     """
     import os, signal, sys, time

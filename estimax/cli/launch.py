@@ -24,11 +24,10 @@ import threading
 import time
 from collections.abc import Sequence
 
-from estimax.distributed import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port
-from estimax.errors import ConfigError, DistributedError
+from estimax.errors import PREEMPTED_EXIT_CODE, ConfigError, DistributedError
 from estimax.group import clusters
+from estimax.group.clusters import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port
 from estimax.group.peers import PEER_LOST_EXIT_CODE
-from estimax.group.preemption import PREEMPTED_EXIT_CODE
 
 RESTART_ENV = "ESTIMAX_RESTART"  # 0 for the first start of the group, then 1, 2, ...
 POLL_SECONDS = 0.05

@@ -18,12 +18,19 @@ import dataclasses
 import importlib.util
 import logging
 import re
+import socket
 from collections.abc import Mapping
 
 from estimax.errors import DistributedError
 
 logger = logging.getLogger("estimax")
 
+COORDINATOR_ENV = "ESTIMAX_COORDINATOR"
+"""The variable naming the coordinator's ``host:port`` of a process group (``estimax launch`` sets the three)."""
+NUM_PROCESSES_ENV = "ESTIMAX_NUM_PROCESSES"
+"""The variable with the number of processes in the group."""
+PROCESS_ID_ENV = "ESTIMAX_PROCESS_ID"
+"""The variable with this process's index in the group, from 0."""
 DEFAULT_PORT = 8476  # the coordinator's port where a manager names only hosts (JAX's own default on TPUs)
 PORT_ENV = "ESTIMAX_COORDINATOR_PORT"
 # Prefixes and names of the variables by which a manager places a process in its group.
@@ -290,3 +297,10 @@ def without_manager(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` without the variables by which a manager places a process (for ``estimax launch``'s
     children, which form a group of their own)."""
     return {k: v for k, v in env.items() if not k.startswith(MANAGER_VARIABLES)}
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

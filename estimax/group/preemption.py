@@ -28,11 +28,9 @@ import threading
 
 import jax
 
-logger = logging.getLogger("estimax")
+from estimax.errors import PREEMPTED_EXIT_CODE
 
-PREEMPTED_EXIT_CODE = 75
-"""The exit status after a preemption signal (SIGTERM, SIGUSR1) was answered with a checkpoint:
-``EX_TEMPFAIL``, which tells a supervisor to start the job again."""
+logger = logging.getLogger("estimax")
 
 
 class Preempted(SystemExit):
