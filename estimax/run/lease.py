@@ -376,8 +376,7 @@ class LeaseLock:
             self._keeper.join(self._call_seconds + 1)
         if isinstance(self._lost, ModelDirLockedError):
             return  # another process's lock now: nothing of this one's to delete
-        # A keeper that gave up on a store that did not answer leaves the object this process wrote: deleted if
-        # the store answers in time (only this version: a taker's is never touched), else one warning.
+        # A keeper that gave up on a silent store left this process's object: deleted if the store answers.
         deadline = Deadline("releasing the lock", self.path, self.deadline_seconds, fix=self._expires())
         while True:
             try:
