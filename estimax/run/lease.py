@@ -18,18 +18,15 @@ answer (also to a second try when the renewal under way was cut off),
 verdict (blocked in a write to a store that does not answer), the lease ends
 it: one line and exit code 74.
 
-A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``)
-takes over at once a lease that an earlier attempt of its run holds, by
-replacing exactly the version it read: of two later attempts, one wins. As a
-lease can then be taken over before it expires, such a holder also watches for
-pauses of its own (``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a thread
-that ticks): after one, it writes nothing until a renewal proves the lease
-still its own. Taking and releasing the lock retry for ``deadline_seconds``,
-with a warning per retry (``storage.Deadline``, the rule of every store
-operation). A lock object that holds no lease record is reported with what it
-holds and how to delete it. Does not own the holder record (``holder.py``), the lock on a disk
-(``lock.py``), which of the two a model_dir gets (``locks.py``), nor what is
-written under it (``run_dir.py`` asks ``check()``/``writable()``).
+A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``) takes over at once a lease that an
+earlier attempt of its run holds, by replacing exactly the version it read: of two later attempts, one wins. As a
+lease can then be taken over before it expires, such a holder also watches for pauses of its own
+(``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a thread that ticks): after one, it writes nothing until a
+renewal proves the lease still its own. Taking and releasing the lock retry for ``deadline_seconds``, with a warning
+per retry (``storage.Deadline``, the rule of every store operation). A lock object that holds no lease record is
+reported with what it holds and how to delete it. Does not own the holder record (``holder.py``), the lock on a disk
+(``lock.py``), which of the two a model_dir gets (``locks.py``), nor what is written under it (``run_dir.py`` asks
+``check()``/``writable()``).
 """
 
 from __future__ import annotations
@@ -374,9 +371,12 @@ class LeaseLock:
         self._wake.set()
         if self._keeper is not None:
             self._keeper.join(self._call_seconds + 1)
-        if isinstance(self._lost, ModelDirLockedError):
-            return  # another process's lock now: nothing of this one's to delete
-        # A keeper that gave up on a silent store left this process's object: deleted if the store answers.
+        if self._lost is not None:  # another process's lock now, or a store its keeper gave up on: left as it is
+            if not isinstance(self._lost, ModelDirLockedError):
+                waited = time.monotonic() - self._proof.started
+                logger.warning("%s: releasing the lock: the store did not answer for %.0f s (renewing the lease). "
+                               "Fix: %s.", self.path, waited, self._expires())  # fmt: skip
+            return
         deadline = Deadline("releasing the lock", self.path, self.deadline_seconds, fix=self._expires())
         while True:
             try:
