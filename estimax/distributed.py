@@ -23,7 +23,8 @@ import jax
 
 from estimax.errors import ConfigError, DistributedError, SyncTimeoutError
 from estimax.group import clusters, peers
-from estimax.group.clusters import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV, free_port  # noqa: F401
+from estimax.group.clusters import COORDINATOR_ENV, NUM_PROCESSES_ENV, PROCESS_ID_ENV
+from estimax.group.clusters import free_port as free_port  # estimax.distributed.free_port, as documented
 
 logger = logging.getLogger("estimax")
 

@@ -260,9 +260,7 @@ def test_the_launcher_starts_its_processes_without_importing_jax():
         "code = cli.main(['launch', '--num-processes', '2', '--', sys.executable, '-c', 'print(7 * 6)'])\n"
         "print('CODE', code, 'JAX', 'jax' in sys.modules, 'NUMPY', 'numpy' in sys.modules)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, env=job_env(), timeout=60
-    )  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=job_env(), timeout=60)
     assert "CODE 0 JAX False NUMPY False" in result.stdout, result.stdout + result.stderr
     assert "[0] 42" in result.stdout and "[1] 42" in result.stdout, result.stdout
 
