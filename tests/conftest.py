@@ -9,6 +9,7 @@ its own (``helpers.compiler_flags``). ``TESTS_XLA_OPTIMIZATION=on`` compiles her
 
 import logging
 import os
+import types
 
 _FAST_COMPILE = "" if os.environ.get("TESTS_XLA_OPTIMIZATION") == "on" else " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
@@ -34,7 +35,8 @@ def compiled_programs_kept_for_the_session(tmp_path_factory):
     program an earlier one compiled with the same flags reads it back instead of compiling it (a child that
     trains 10 steps spends about a third less CPU). Its variables are in the environment the processes inherit
     (``helpers.SHARED_CACHE``); with a size limit JAX locks the folder while it reads or writes an entry, so no
-    process reads one half written. What is computed is the same (the cache holds the compiled program, keyed by
+    process reads one half written (the limit is never reached, so no process scans it for entries to evict:
+    ``warm.keep_cache_entries``). What is computed is the same (the cache holds the compiled program, keyed by
     everything that went into it); TESTS_COMPILATION_CACHE=off compiles everything afresh."""
     if os.environ.get("TESTS_COMPILATION_CACHE", "on") == "off":
         yield None
@@ -44,6 +46,7 @@ def compiled_programs_kept_for_the_session(tmp_path_factory):
     directory = str(shared_dir(tmp_path_factory, "jax-compilation-cache"))
     os.environ.update(shared_cache_env(directory))
     jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE)  # this process read its variables before
+    warm.keep_cache_entries()
     yield compile_cache.enable(directory)
 
 
@@ -86,16 +89,21 @@ def no_process_outlives_its_test():
 
 
 @pytest.fixture(scope="session")
-def uninterrupted_two_processes(tmp_path_factory):
-    """The result of tests/multihost_job.py trained uninterrupted by 2 processes x 4 devices on a local
-    model_dir: what a killed and restarted group on any store must end with, bit for bit."""
-    from helpers import MULTIHOST_STEPS, finish, launch_group, read_result
+def multihost_references(tmp_path_factory):
+    """tests/multihost_job.py trained uninterrupted on local model_dirs, once for the session (by the first
+    worker to ask): ``one`` by 1 process x 8 devices, ``two`` by 2 processes x 4 devices (their results), under
+    ``root`` (model_dirs "one" and "two", outputs "one-out" and "two-out"), and ``log``, the launcher's output of
+    ``two``. What any group must train like, and what a killed and restarted one must end with, bit for bit."""
+    from helpers import MULTIHOST_STEPS, finish, launch_group, read_result, run_one_process
 
-    root = shared_dir(tmp_path_factory, "uninterrupted-two-processes")  # run once, by the first worker to ask
+    root = shared_dir(tmp_path_factory, "multihost-references")
     with FileLock(f"{root}.lock"):
-        if not (root / "out" / "result.json").exists():
-            finish(launch_group(str(root / "run"), str(root / "out"), "train", str(MULTIHOST_STEPS)))
-    return read_result(root / "out")
+        if not (root / "log.txt").exists():
+            run_one_process(str(root / "one"), str(root / "one-out"), "train", str(MULTIHOST_STEPS))
+            log = finish(launch_group(str(root / "two"), str(root / "two-out"), "train", str(MULTIHOST_STEPS)))
+            (root / "log.txt").write_text(log)  # last: its presence says both runs are complete
+    one, two = read_result(root / "one-out"), read_result(root / "two-out")
+    return types.SimpleNamespace(root=root, one=one, two=two, log=(root / "log.txt").read_text())
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ from helpers import (
     launch_group,
     max_difference,
     read_result,
-    run_one_process,
 )
 
 from estimax.distributed import free_port
@@ -196,10 +195,8 @@ def _group(manager_env, *job_args):
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    root = tmp_path_factory.mktemp("one")
-    run_one_process(str(root / "run"), str(root / "out"), "train", str(MULTIHOST_STEPS))
-    return read_result(root / "out")
+def one_process(multihost_references):
+    return multihost_references.one
 
 
 def _kubeflow(port):

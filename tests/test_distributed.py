@@ -36,12 +36,10 @@ ROOT = os.path.dirname(TESTS)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The same job as 1 process x 8 devices and as 2 processes x 4 devices."""
-    root = tmp_path_factory.mktemp("multihost")
-    run_one_process(str(root / "one"), str(root / "one-out"), "train", str(MULTIHOST_STEPS))
-    out = finish(launch_group(str(root / "two"), str(root / "two-out"), "train", str(MULTIHOST_STEPS)))
-    return root, read_result(root / "one-out"), read_result(root / "two-out"), out
+def runs(multihost_references):
+    """The same job as 1 process x 8 devices and as 2 processes x 4 devices (conftest.py)."""
+    references = multihost_references
+    return references.root, references.one, references.two, references.log
 
 
 def test_two_processes_train_and_evaluate_like_one(runs):

@@ -183,9 +183,7 @@ def test_gs_missing_bucket_is_one_line_before_the_first_step(gcs):
 
 
 @pytest.mark.parametrize("store", ["gs", "s3"])
-def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(
-    store, request, tmp_path, uninterrupted_two_processes
-):
+def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(store, request, tmp_path, multihost_references):
     """2 processes x 4 devices write one model_dir on a bucket; one is killed with SIGKILL after a save;
     the restarted group ends with the parameters of an uninterrupted run, bit for bit."""
     from helpers import MULTIHOST_STEPS, finish, launch_group, max_difference, read_result
@@ -202,7 +200,7 @@ def test_two_processes_saving_to_a_bucket_are_killed_and_resume_bitwise(
     os.kill(int((out_dir / "pid-1").read_text()), signal.SIGKILL)
     out = finish(launcher, timeout=240)
     assert "restarting the group from its latest checkpoint" in out and "Restored checkpoint step" in out
-    resumed, uninterrupted = read_result(out_dir), uninterrupted_two_processes
+    resumed, uninterrupted = read_result(out_dir), multihost_references.two
     assert resumed["step"] == MULTIHOST_STEPS and min(resumed["losses"]) > 1  # it did not start from scratch
     assert max_difference(resumed["params"], uninterrupted["params"]) == 0.0
     assert resumed["eval"] == uninterrupted["eval"]

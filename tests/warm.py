@@ -11,10 +11,13 @@ is its parent (made a subreaper: the warm interpreter forks twice and the child 
 runs ``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` as the interpreter would.
 
 What differs from a cold start is only what was imported before the child's first line, so a test of what
-a fresh interpreter imports, of start-up or of interpreter flags uses ``subprocess`` itself. Variables read
+a fresh interpreter imports, of start-up or of interpreter flags uses ``subprocess`` itself (and the
+session's compilation cache does not look for entries to evict: ``keep_cache_entries``). Variables read
 on import (``START_UP``) select the warm interpreter; every other variable is the child's own, and what
 estimax derives from the environment on import is derived again from the child's
-(``estimax.storage.clients.use_one_client``). ``TESTS_WARM_CHILDREN=off`` starts every child cold.
+(``estimax.storage.clients.use_one_client``). XLA reads its flags when the first backend starts, not on
+import, and JAX's device count is a setting the child applies before that (``APPLIED``): children that
+differ only in those share an interpreter. ``TESTS_WARM_CHILDREN=off`` starts every child cold.
 
 The processes ``estimax launch`` starts are the launcher's children, not the test's, so they hand over
 instead (``hand_over``, which tests/sitecustomize.py calls before anything is imported): each asks the
@@ -46,6 +49,10 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal
 # Variables that libraries read on import (or when their native code loads): children that differ in them
 # get a warm interpreter of their own.
 START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_")
+# ... but these, which a child applies itself: XLA's flags, read when the first backend starts (never in a warm
+# interpreter), the group's placement, read when it is joined, and JAX settings read on import (set again).
+APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+JAX_SETTINGS = {"JAX_NUM_CPU_DEVICES": ("jax_num_cpu_devices", int)}
 # What nearly every child imports; scikit-learn for the digits task the command line trains by default.
 PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
              "sklearn.datasets", "sklearn.model_selection")  # fmt: skip
@@ -138,7 +145,8 @@ def interpreter_pids() -> set[int]:
 
 
 def _interpreter_for(env: dict) -> _Interpreter:
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP)))
+    applied = (*APPLIED, *JAX_SETTINGS)
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP) and k not in applied))
     with _made:
         if not _interpreters:  # orphans of this process's children come back to it, to be waited for
             if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -269,6 +277,11 @@ def _become(request: dict, streams: list[int], added: dict):
     os.environ.update(request["env"])
     for name, value in added.items():  # what the imports set, as they would have in this environment
         os.environ.setdefault(name, value)
+    import jax
+
+    for variable, (setting, kind) in JAX_SETTINGS.items():
+        if variable in os.environ:
+            jax.config.update(setting, kind(os.environ[variable]))
     from estimax.storage import clients
 
     clients.use_one_client()
@@ -286,6 +299,16 @@ def _become(request: dict, streams: list[int], added: dict):
     else:
         sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def keep_cache_entries() -> None:
+    """The session's compilation cache never fills (``helpers.CACHE_MAX_SIZE``, set for the lock JAX then
+    takes around each entry), so this process skips the scan for entries to evict that JAX makes on each write:
+    it reads every entry's access time, a cost that grows with the cache (quadratic over a session)."""
+    from jax._src import lru_cache
+
+    if hasattr(lru_cache.LRUCache, "_evict_if_needed"):
+        lru_cache.LRUCache._evict_if_needed = lambda self, *, additional_size=0: None
 
 
 def _signal(pid: int, signum: int) -> None:
@@ -307,6 +330,7 @@ if __name__ == "__main__":
     for name in PRELOADED:
         __import__(name)
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    keep_cache_entries()
     sys.path[0] = ""  # the child sets its own
     gc.freeze()
     _become(*_serve(socket.socket(fileno=int(sys.argv[1]))), added)
