@@ -98,7 +98,7 @@ class DeviceLoop:
     def __init__(self, core, layout, loop: str, steps_per_loop: int):
         rep, state, stack, batch = layout.replicated, layout.state, layout.stack, layout.batch
         self._core, self._layout = core, layout
-        self._batch_sharding = batch
+        self._batch_sharding, self._replicated = batch, rep
         self.scan = jax.jit(core.train_loop, in_shardings=(state, stack), out_shardings=(state, rep), donate_argnums=0)
         # ``measure`` (a device bool): like the scan, a loop reads every gradient on its last step only.
         self.step = jax.jit(
@@ -149,9 +149,8 @@ class DeviceLoop:
         """``(state, outputs, seconds spent compiling)`` of one chunk's steps, dispatched (not waited for)."""
         if not self._counted:  # lowered once more (not compiled): one estimate per run
             self._counted = True
-            batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), chunk.stack)
-            measure = jax.ShapeDtypeStruct((), np.bool_)
-            self.flops_per_step = flops.step_flops(self.step, state, batch, measure, micro_batches=self._micro_batches)
+            step_args = self._step_args(chunk)
+            self.flops_per_step = flops.step_flops(self.step, state, *step_args, micro_batches=self._micro_batches)
         if self.loop == "auto":
             self.loop, reason = self._choose(state, chunk)
             # An internal choice: in a notebook it would open every kernel's output, so it is logged at debug there.
@@ -186,11 +185,7 @@ class DeviceLoop:
             return "scan", f"one compiled loop of {self._steps_per_loop} steps per host call on {backend}"
         if self._steps_per_loop == 1:
             return "step", "one step per loop"
-        batch = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self._batch_sharding), chunk.stack
-        )
-        measure = jax.ShapeDtypeStruct((), np.bool_)
-        slow = count_primitives(self.step.trace(state, batch, measure).jaxpr, SLOW_IN_CPU_LOOPS)
+        slow = count_primitives(self.step.trace(state, *self._step_args(chunk)).jaxpr, SLOW_IN_CPU_LOOPS)
         if slow:
             return "step", (
                 f"the training step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
@@ -198,6 +193,14 @@ class DeviceLoop:
             )
         steps = self._steps_per_loop
         return "scan", f"no convolution in the training step: one compiled loop of {steps} steps per call"
+
+    def _step_args(self, chunk: DeviceChunk) -> tuple:
+        """The step's batch and ``measure`` as ``ShapeDtypeStruct``s placed as the step loop places them:
+        the FLOP count, the choice of loop and the step loop's first call share one trace (JAX's cache)."""
+        batch = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self._batch_sharding), chunk.stack
+        )
+        return batch, jax.ShapeDtypeStruct((), np.bool_, sharding=self._replicated)
 
 
 def count_primitives(jaxpr, names: tuple[str, ...]) -> int:
