@@ -16,8 +16,9 @@ session's compilation cache does not look for entries to evict: ``keep_cache_ent
 on import (``START_UP``) select the warm interpreter; every other variable is the child's own, and what
 estimax derives from the environment on import is derived again from the child's
 (``estimax.storage.clients.use_one_client``). XLA reads its flags when the first backend starts, not on
-import, and JAX's device count is a setting the child applies before that (``APPLIED``): children that
-differ only in those share an interpreter. ``TESTS_WARM_CHILDREN=off`` starts every child cold.
+import, and JAX's device count is a setting the child applies before that (``APPLIED``,
+``JAX_SETTINGS``): children that differ only in those share an interpreter. ``TESTS_WARM_CHILDREN=off``
+starts every child cold.
 
 The processes ``estimax launch`` starts are the launcher's children, not the test's, so they hand over
 instead (``hand_over``, which tests/sitecustomize.py calls before anything is imported): each asks the
@@ -49,9 +50,10 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal
 # Variables that libraries read on import (or when their native code loads): children that differ in them
 # get a warm interpreter of their own.
 START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_")
-# ... but these, which a child applies itself: XLA's flags, read when the first backend starts (never in a warm
-# interpreter), the group's placement, read when it is joined, and JAX settings read on import (set again).
+# ... but not these, which the child reads itself: XLA's flags when its first backend starts (a warm interpreter
+# starts none) and a group's placement when it joins one ...
 APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+# ... nor JAX settings read on import, which the child sets again (``_become``) before its backend starts.
 JAX_SETTINGS = {"JAX_NUM_CPU_DEVICES": ("jax_num_cpu_devices", int)}
 # What nearly every child imports; scikit-learn for the digits task the command line trains by default.
 PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
