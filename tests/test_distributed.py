@@ -38,8 +38,7 @@ ROOT = os.path.dirname(TESTS)
 @pytest.fixture(scope="module")
 def runs(multihost_references):
     """The same job as 1 process x 8 devices and as 2 processes x 4 devices (conftest.py)."""
-    references = multihost_references
-    return references.root, references.one, references.two, references.log
+    return multihost_references.root, multihost_references.one, multihost_references.two, multihost_references.log
 
 
 def test_two_processes_train_and_evaluate_like_one(runs):

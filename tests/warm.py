@@ -55,6 +55,7 @@ START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP
 APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
 # ... nor JAX settings read on import, which the child sets again (``_become``) before its backend starts.
 JAX_SETTINGS = {"JAX_NUM_CPU_DEVICES": ("jax_num_cpu_devices", int)}
+_CHILDS_OWN = (*APPLIED, *JAX_SETTINGS)
 # What nearly every child imports; scikit-learn for the digits task the command line trains by default.
 PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
              "sklearn.datasets", "sklearn.model_selection")  # fmt: skip
@@ -147,8 +148,7 @@ def interpreter_pids() -> set[int]:
 
 
 def _interpreter_for(env: dict) -> _Interpreter:
-    applied = (*APPLIED, *JAX_SETTINGS)
-    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP) and k not in applied))
+    key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP) and k not in _CHILDS_OWN))
     with _made:
         if not _interpreters:  # orphans of this process's children come back to it, to be waited for
             if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
