@@ -1,10 +1,12 @@
 """Every test sees 8 simulated CPU devices, as a TPU v2-8 host would; no process a test starts outlives it.
 
 The tests' own process compiles without XLA's backend optimisations (``--xla_backend_optimization_level=0``):
-its programs are tiny and compiled hundreds of times, and what they compute does not depend on it (XLA's CPU
-backend does not reassociate floating point unless fast math is on, and it is off). The processes the tests
-start compile as a user's do (``helpers.user_env``), but where a test compares a child's numbers bitwise with
-its own (``helpers.compiler_flags``). ``TESTS_XLA_OPTIMIZATION=on`` compiles here as a user's process does.
+its programs are tiny and compiled hundreds of times, and what they check does not depend on it (each test
+compares numbers computed under the same flags, or within a tolerance). So do the jobs it starts
+(``helpers.job_env``: small models, a few steps each); the command line, the examples and the user's programs
+the tests start compile as a user's do (``helpers.user_env``; XLA's default flags train the digits CNN 6x
+faster), but where a test compares a child's numbers bitwise with its own (``helpers.compiler_flags``).
+``TESTS_XLA_OPTIMIZATION=on`` compiles everything as a user's process does.
 """
 
 import logging
@@ -15,6 +17,9 @@ _FAST_COMPILE = "" if os.environ.get("TESTS_XLA_OPTIMIZATION") == "on" else " --
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
+# The session's GCS is an emulator (tests/stores.py), named only once gcsfs is imported here: gcsfs's plain file
+# system, which estimax chooses where STORAGE_EMULATOR_HOST is set on its import (estimax.storage.clients).
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import jax  # noqa: E402
 import psutil  # noqa: E402

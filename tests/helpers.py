@@ -121,12 +121,13 @@ SHARED_CACHE = tuple(shared_cache_env(""))  # a test of the cache itself leaves 
 
 
 def job_env(**extra):
-    """A child's environment: this checkout's package and the tests' models, no estimax variables but the
-    session's compilation cache."""
+    """A job's environment: this checkout's package and the tests' models, no estimax variables but the
+    session's compilation cache, compiled as the tests are (``compiler_flags``, conftest.py)."""
     env = {k: v for k, v in user_env().items() if not k.startswith("ESTIMAX_") or k in SHARED_CACHE}
     # This checkout's package (not whichever estimax is installed) and the tests' models.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, TESTS, env.get("PYTHONPATH")]))
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = compiler_flags()
     env.update(extra)
     return env
 

@@ -231,7 +231,7 @@ def __getattr__(name):
     raise AttributeError(f"fake tensorflow: {name}")
 """
 # What estimax sets or derives; the child starts without them, as a user's shell would.
-DERIVED = ("EPATH_USE_TF", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+DERIVED = ("EPATH_USE_TF", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 # ArrayRecord files in the bucket, trained from with a checkpoint there, which a new Estimator restores.
 WITH_TENSORFLOW = """
 import numpy as np
@@ -245,12 +245,16 @@ spec = {"x": ex.data.array_record.Feature(np.float32, (6,)), "y": ex.data.array_
 data = lambda: ex.data.array_record("gs://bkt/tf-present/data.array_record", spec, label="y")
 estimator("gs://bkt/tf-present/run", quiet=True).train(data(), max_steps=8)
 print("restored step", estimator("gs://bkt/tf-present/run").step, flush=True)
+import fsspec
+print("gcsfs file system", type(fsspec.filesystem("gs")).__name__, flush=True)
 """
 
 
 def test_gs_goes_through_one_client_with_tensorflow_importable(gcs, tmp_path):
     """With TensorFlow importable, etils.epath (Orbax's paths) would choose tf.io.gfile for gs://; estimax keeps
-    it on gcsfs, and STORAGE_EMULATOR_HOST alone points TensorStore and ArrayRecord's reader at the emulator."""
+    it on gcsfs, and STORAGE_EMULATOR_HOST alone points TensorStore and ArrayRecord's reader at the emulator
+    and gives gcsfs its plain file system (its default one asks Google's Storage Control API for the bucket's
+    layout before each operation: never the emulator, and again each time when that fails)."""
     fake = tmp_path / "fake" / "tensorflow"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(FAKE_TENSORFLOW)
@@ -263,6 +267,7 @@ def test_gs_goes_through_one_client_with_tensorflow_importable(gcs, tmp_path):
     )
     run = subprocess.run([sys.executable, "-c", WITH_TENSORFLOW], env=env, capture_output=True, text=True)
     assert run.returncode == 0 and "restored step 8" in run.stdout, run.stdout + run.stderr
+    assert "gcsfs file system GCSFileSystem\n" in run.stdout, run.stdout  # not ExtendedGcsFileSystem
     assert not uses.exists(), uses.read_text()  # TensorFlow was never asked for anything
     assert "checkpoints/8/" in " ".join(bucket_names("gs://bkt/tf-present/run"))
 

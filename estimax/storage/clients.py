@@ -1,9 +1,10 @@
 """The store clients' global configuration: one client per store, and every request bounded.
 
 Owns the process-wide settings that the clients of the stores read: the
-environment variables of etils (``EPATH_USE_TF``) and of the C++ clients
-(TensorStore, which writes Orbax's arrays, and google-cloud-cpp, which reads
-ArrayRecord files), and fsspec's configuration of gcsfs and s3fs. A variable
+environment variables of etils (``EPATH_USE_TF``), of gcsfs (which file system
+it is) and of the C++ clients (TensorStore, which writes Orbax's arrays, and
+google-cloud-cpp, which reads ArrayRecord files), and fsspec's configuration
+of gcsfs and s3fs. A variable
 a user already set is kept. Does not own the deadline itself
 (``deadlines.py``) nor any file operation (``files.py``).
 
@@ -22,6 +23,8 @@ import os
 CLIENTS = {"gs": ("gcsfs", "estimax[gcs]"), "s3": ("s3fs", "estimax[s3]")}
 # The GCS emulator variable of each C++ client: TensorStore's (Orbax's arrays), google-cloud-cpp's (ArrayRecord).
 EMULATOR_VARIABLES = ("TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
+# gcsfs's choice of its file system for zonal and hierarchical buckets, read when gcsfs is imported.
+GCSFS_BUCKET_LAYOUTS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
 
 
 def use_one_client() -> None:
@@ -33,13 +36,17 @@ def use_one_client() -> None:
     It must be set before etils first resolves a ``gs://`` path (it caches the
     choice), hence on import. The C++ clients each read their own emulator
     variable: they are derived from ``STORAGE_EMULATOR_HOST``, the one the
-    Python clients read, on every store access. A variable already set is kept.
+    Python clients read, on every store access. With an emulator, gcsfs's plain
+    file system is chosen (before gcsfs is imported): its default one asks
+    Google's Storage Control API, never the emulator, for each bucket's layout,
+    and asks again on every operation when that fails. A variable already set is kept.
     """
     os.environ.setdefault("EPATH_USE_TF", "false")
     endpoint = emulator_endpoint()
     if endpoint:
         for variable in EMULATOR_VARIABLES:
             os.environ.setdefault(variable, endpoint)
+        os.environ.setdefault(GCSFS_BUCKET_LAYOUTS, "false")
 
 
 def emulator_endpoint() -> str | None:
