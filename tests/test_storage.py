@@ -231,7 +231,7 @@ def __getattr__(name):
     raise AttributeError(f"fake tensorflow: {name}")
 """
 # What estimax sets or derives; the child starts without them, as a user's shell would.
-DERIVED = ("EPATH_USE_TF", "TENSORSTORE_GCS_HTTP_URL", "CLOUD_STORAGE_EMULATOR_ENDPOINT", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+DERIVED = ("EPATH_USE_TF", *storage.clients.EMULATOR_VARIABLES, storage.clients.GCSFS_BUCKET_LAYOUTS)
 # ArrayRecord files in the bucket, trained from with a checkpoint there, which a new Estimator restores.
 WITH_TENSORFLOW = """
 import numpy as np
