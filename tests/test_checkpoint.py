@@ -44,6 +44,31 @@ def test_policy_saves_on_crossed_steps_and_keeps_the_last(model_dir):
     assert _steps(model_dir) == [15, 20]  # saved at 6, 12, 15, 18 (crossings) and 20 (end); the last 2 kept
 
 
+def test_a_replicated_array_is_sliced_across_its_replicas_only_when_a_slice_is_large(tmp_path, caplog):
+    """Orbax writes a replicated array replica-parallel through a slicing program per shape and device; the
+    state's writer (``checkpoint_handlers.py``) does so only for slices of at least MIN_SLICE_BYTES. Shapes no
+    other test uses: a program already compiled in this process would not be logged."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from estimax.run import checkpoint_handlers
+
+    replicated = NamedSharding(jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]), PartitionSpec())
+    rows = 2 * checkpoint_handlers.MIN_SLICE_BYTES // (4 * 1031) + 2  # float32: each replica's half is larger
+    state = {
+        "small": jax.device_put(np.arange(4 * 1033, dtype=np.float32).reshape(4, 1033), replicated),
+        "large": jax.device_put(np.ones((rows, 1031), np.float32), replicated),
+    }
+    writer = checkpoint_handlers.registry().get("state", ocp.args.PyTreeSave)
+    with jax.log_compiles(True), caplog.at_level("WARNING"):
+        ocp.Checkpointer(writer).save(tmp_path / "state", args=ocp.args.PyTreeSave(state))
+    sliced = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiling jit(slice)")]
+    assert len(sliced) == 2 and all(f"[{rows},1031]" in m for m in sliced), sliced  # the large one, per replica
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "state", state)
+    for name, value in state.items():
+        np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(value))
+
+
 def test_policy_saves_by_time(model_dir):
     policy = ex.CheckpointPolicy(every_steps=None, every_seconds=1e-3, keep=100)
     estimator(model_dir, steps_per_loop=4, checkpoint=policy).train(DATA, max_steps=16)

@@ -4,8 +4,8 @@ Owns saving (async), which checkpoints are kept, and restoring the latest
 *good* one into the shardings the run expects; when a save is due is
 ``save_schedule.py``'s, told here when each save starts and commits.
 
-A checkpoint is the state (Orbax ``StandardSave``: tensorstore arrays and
-JSON metadata, never pickle) plus a JSON record (``checkpoint_meta.py``) with
+A checkpoint is the state (Orbax's standard format: tensorstore arrays and
+JSON metadata, never pickle; written by ``checkpoint_handlers.py``) plus a JSON record (``checkpoint_meta.py``) with
 the step, the input position and a checksum of every array computed on the
 device at save time (``checkpoint_checks.py``).
 A half-written checkpoint (a killed save) is never listed by Orbax, and a
@@ -37,7 +37,7 @@ from estimax import storage
 from estimax.config import CheckpointPolicy
 from estimax.errors import CheckpointError, StorageError
 from estimax.fine_tuning import averaging
-from estimax.run import pruning
+from estimax.run import checkpoint_handlers, pruning
 from estimax.run.checkpoint_checks import check_structure, checksums, disk_errors, first_line, saved_shapes
 from estimax.run.checkpoint_meta import CheckpointMeta
 from estimax.run.checkpoint_repair import move_aside, remove_unfinished, step_identity, unfinished_steps
@@ -115,6 +115,7 @@ class Checkpointer:
                 **best_options,
                 **store_options,
             ),
+            handler_registry=checkpoint_handlers.registry(),
         )
 
     def open_for_writing(self, primary: bool = True, attempt: str = "", left=()) -> None:
@@ -232,7 +233,7 @@ class Checkpointer:
             return
         sums = {k: int(v) for k, v in jax.device_get(self._checksums(state)).items()}  # host sync: state is ready
         meta = CheckpointMeta(step, sums, input_state, saved_at=time.time(), run=self.setup, loop=loop)
-        args = ocp.args.Composite(state=ocp.args.StandardSave(_on_disk(state)), meta=ocp.args.JsonSave(meta.to_json()))
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(_on_disk(state)), meta=ocp.args.JsonSave(meta.to_json()))
         with disk_errors(self.directory), self._lock_errors():
             self._manager.wait_until_finished()  # the save before (Orbax would wait for it in ``save``)
             self.schedule.finished()
