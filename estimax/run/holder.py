@@ -114,13 +114,6 @@ def continues(record: Holder, holder: Holder) -> bool:
     return bool(run) and holder.run == run and numbers and before < started
 
 
-def same_process(record: Holder, holder: Holder) -> bool:
-    """Whether ``record`` was written by the process ``holder`` describes, whatever it renewed or noted since:
-    a write the store applied but did not answer in time, found when the next one fails its condition."""
-    fields = ("host", "pid", "process_start", "started_at", "run", "attempt_started")
-    return all(getattr(record, name) == getattr(holder, name) for name in fields)
-
-
 def describe(holder: Holder) -> str:
     run = f", run {holder.run}" if holder.run else ""
     return f"host {holder.host}, pid {holder.pid}, started {holder.started_at}{run}, command `{holder.command}`"

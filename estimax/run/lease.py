@@ -1,27 +1,32 @@
 """The writer lock of a model_dir on a bucket: a lease, fenced, every call to the store bounded.
 
-Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object store, and saying whether this
-process may still write. The lock is an object holding its holder's record (``holder.Holder``) and the time of its
-last renewal. It is taken by a conditional create, or by replacing exactly the version of an expired lease; a
-background thread renews it by replacing exactly the version this process wrote last (``conditional.py``), so that
-a renewal never overwrites another process's lease (a write the store applied but answered too late fails the next
-one's condition: the lease still holding this process's record, its version is adopted). The timeline of a lease of
-``L`` seconds: a renewal every ``L/4``; each call to the store waits at most ``L/4``; this process may write until
-``3L/4`` after the start of its last renewal that succeeded, ``L/4`` before anyone else may take the lease over. A
-process paused past that point (SIGSTOP, a long GC, a frozen VM) writes nothing more until a renewal proves that
-nobody took the lease meanwhile; if somebody did, ``check()`` raises ``LeaseLostError`` naming it, and if the store
-does not answer (also to a second try when the renewal under way was cut off), ``StoreUnavailableError``. When the
-process is still running ``L/4`` after that verdict (blocked in a write to a store that does not answer), the lease
-ends it: one line and exit code 74.
+Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object
+store, and saying whether this process may still write. The lock is an object
+holding its holder's record (``holder.Holder``) and the time of its last
+renewal. It is taken by a conditional create, or by replacing exactly the
+version of an expired lease; a background thread renews it by replacing exactly
+the version this process wrote last (``conditional.py``), so that a renewal
+never overwrites another process's lease. The timeline of a lease of ``L``
+seconds: a renewal every ``L/4``; each call to the store waits at most ``L/4``;
+this process may write until ``3L/4`` after the start of its last renewal that
+succeeded, ``L/4`` before anyone else may take the lease over. A process paused
+past that point (SIGSTOP, a long GC, a frozen VM) writes nothing more until a
+renewal proves that nobody took the lease meanwhile; if somebody did,
+``check()`` raises ``LeaseLostError`` naming it, and if the store does not
+answer (also to a second try when the renewal under way was cut off),
+``StoreUnavailableError``. When the process is still running ``L/4`` after that
+verdict (blocked in a write to a store that does not answer), the lease ends
+it: one line and exit code 74.
 
 A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``) takes over at once a lease that an
 earlier attempt of its run holds, by replacing exactly the version it read: of two later attempts, one wins. As a
-lease can then be taken over before it expires, such a holder also watches for pauses of its own (``lease_proof.py``:
-a gap of ``PAUSE_SECONDS`` in a thread that ticks): after one, it writes nothing until a renewal proves the lease
-still its own. Taking and releasing the lock retry for ``deadline_seconds``, with a warning per retry
-(``storage.Deadline``). A lock object that holds no lease record is reported with what it holds and how to delete it.
-Does not own the holder record (``holder.py``), the lock on a disk (``lock.py``), which of the two a model_dir gets
-(``locks.py``), nor what is written under it (``run_dir.py`` asks ``check()``/``writable()``).
+lease can then be taken over before it expires, such a holder also watches for pauses of its own
+(``lease_proof.py``: a gap of ``PAUSE_SECONDS`` in a thread that ticks): after one, it writes nothing until a
+renewal proves the lease still its own. Taking and releasing the lock retry for ``deadline_seconds``, with a warning
+per retry (``storage.Deadline``, the rule of every store operation). A lock object that holds no lease record is
+reported with what it holds and how to delete it. Does not own the holder record (``holder.py``), the lock on a disk
+(``lock.py``), which of the two a model_dir gets (``locks.py``), nor what is written under it (``run_dir.py`` asks
+``check()``/``writable()``).
 """
 
 from __future__ import annotations
@@ -55,7 +60,6 @@ from estimax.run.holder import (
     lease_holder,
     left_steps,
     resume,
-    same_process,
     superseded,
     taken_over,
     this_process,
@@ -150,9 +154,6 @@ class LeaseLock:
         if found is None:
             return False  # released in between
         holder = lease_holder(found[0], self.path)
-        if same_process(holder, self._record):  # its create was applied, its answer lost: the lease is its own
-            self._hold(found[1], started)
-            return True
         if continues(holder, self._record):
             raise superseded(self.model_dir, holder)
         age = time.time() - holder.renewed_at
@@ -170,9 +171,13 @@ class LeaseLock:
         self._record = dataclasses.replace(self._record, left=self.left)  # passed on: a paused holder may write them
         started = time.monotonic()
         self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
-        expired = f"its lease expired {age - holder.lease_seconds:.0f} s ago"
-        reason = f"it is held by an earlier attempt of this run ({RUN_ID}={holder.run})" if earlier else None
-        reason = reason or ("its holder is gone" if gone else expired)
+        reason = (
+            f"it is held by an earlier attempt of this run ({RUN_ID}={holder.run})"
+            if earlier
+            else "its holder is gone"
+            if gone
+            else f"its lease expired {age - holder.lease_seconds:.0f} s ago"
+        )
         logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
         return True
 
@@ -216,11 +221,6 @@ class LeaseLock:
             try:
                 version = self._object.replace(self._encoded(), self._version, self._call_seconds)
             except Changed:
-                with contextlib.suppress(Exception):  # the last renewal was applied, its answer lost: still its own
-                    found = self._object.read(self._call_seconds)
-                    if found and same_process(lease_holder(found[0], self.path), self._record):
-                        self._version, pause = found[1], 0.0
-                        continue
                 with self._changed:  # nothing is written from now on, however long the line takes to compose
                     self._composed.clear()
                     self._lost = LeaseLostError(f"model_dir {self.model_dir}: another process took over {self.path}.")
