@@ -208,6 +208,40 @@ def test_taking_and_releasing_the_lock_on_a_stalled_store_wait_a_bounded_time(gc
     print(f"release gave up after {released:.1f} s, taking the lock after {refused:.1f} s")
 
 
+def test_a_write_the_store_applied_after_its_call_timed_out_leaves_the_lease_its_own(gcs, estimax_log):
+    """A conditional write cut off by its call's timeout may still be applied: the next one then fails its
+    condition. The holder knows its own write by its bytes and goes on, instead of taking itself for another
+    process (before: taking refused the model_dir as "being written by another process" naming this one, and a
+    renewal lost the lease to "another process", this one). Made for real: the emulator is stopped while the
+    write waits in its queue and resumed after the call timed out and before the retry; it then applies the
+    write (fake-gcs-server does; moto drops a request whose client has gone)."""
+    url, pid = "gs://bkt/answered-late", gcs.process.pid
+    lease = 2 * LEASE  # each call waits lease / 4 = 2 s; a retry of a take follows 2 s later, of a renewal 1 s
+
+    def stalled_for(seconds: float, call):
+        os.kill(pid, signal.SIGSTOP)
+        resume = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
+        resume.start()
+        try:
+            return call()
+        finally:
+            resume.cancel()
+            os.kill(pid, signal.SIGCONT)
+
+    lock = LeaseLock(url, lease_seconds=lease, deadline_seconds=30)
+    stalled_for(3.0, lock.acquire)  # the create times out at 2 s, is applied at 3, tried again at 4
+    try:
+        lock.prove(saving=1)  # a renewal now
+        stalled_for(2.5, lambda: lock.prove(saving=2))  # renewed at 0 (applied at 2.5), tried again at 3
+        lock.check()
+        found = Holder.from_json(storage.read_bytes(f"{url}/{LOCK_FILE}"))
+        assert (found.host, found.pid, found.saving) == (this_process().host, os.getpid(), 2), found
+    finally:
+        lock.release()
+    assert not storage.exists(f"{url}/{LOCK_FILE}")  # released: its own to delete
+    assert estimax_log.text.count("the store did not answer") == 2, estimax_log.text  # one for each write
+
+
 @pytest.mark.parametrize(
     "scheme, content, holds",
     [

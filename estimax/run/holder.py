@@ -162,14 +162,20 @@ def superseded(model_dir: str, holder: Holder) -> SupersededError:
     )
 
 
-def taken_over(model_dir: str, path: str, taker: Holder | None, record: Holder, step: int | None) -> LeaseLostError:
-    """The error of a holder whose lock a later attempt of its run took over (or that was deleted)."""
-    if taker is None or not continues(taker, record):
-        who = describe(taker) if taker else "nobody holds it now (it was deleted)"
+def taken_over(
+    model_dir: str, path: str, taker: Holder | str | None, record: Holder, step: int | None
+) -> LeaseLostError:
+    """The error of a holder whose lock another process (``taker``: its record, or what is known of it) or a later
+    attempt of its run took over, or that was deleted (``taker`` is ``None``)."""
+    if not isinstance(taker, Holder) or not continues(taker, record):
+        who = describe(taker) if isinstance(taker, Holder) else taker or "nobody holds it now (it was deleted)"
+        lease = record.lease_seconds
+        why = "" if lease is None else f" (this one was paused or cut off for longer than the {lease:g} s lease)"
         return LeaseLostError(
-            f"model_dir {model_dir}: another process took over the lock {path} while this one held it: {who}. "
-            f"This process stopped writing; {resume(step)}. Expected one writer per model_dir. Fix: let the "
-            "other process finish, or stop it and run the same command again."
+            f"model_dir {model_dir}: another process took over the lock {path} while this one held it{why}: {who}. "
+            f"This process stopped writing{' before its lease could expire' if why else ''}; {resume(step)}. "
+            "Expected one writer per model_dir. Fix: let the other process finish, or stop it and run the same "
+            "command again."
         )
     return LeaseLostError(
         f"model_dir {model_dir}: a later attempt of this process's run ({RUN_ID}={record.run}) took over the "

@@ -1,22 +1,18 @@
 """The writer lock of a model_dir on a bucket: a lease, fenced, every call to the store bounded.
 
-Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object
-store, and saying whether this process may still write. The lock is an object
-holding its holder's record (``holder.Holder``) and the time of its last
-renewal. It is taken by a conditional create, or by replacing exactly the
-version of an expired lease; a background thread renews it by replacing exactly
-the version this process wrote last (``conditional.py``), so that a renewal
-never overwrites another process's lease. The timeline of a lease of ``L``
-seconds: a renewal every ``L/4``; each call to the store waits at most ``L/4``;
-this process may write until ``3L/4`` after the start of its last renewal that
-succeeded, ``L/4`` before anyone else may take the lease over. A process paused
-past that point (SIGSTOP, a long GC, a frozen VM) writes nothing more until a
-renewal proves that nobody took the lease meanwhile; if somebody did,
-``check()`` raises ``LeaseLostError`` naming it, and if the store does not
-answer (also to a second try when the renewal under way was cut off),
-``StoreUnavailableError``. When the process is still running ``L/4`` after that
-verdict (blocked in a write to a store that does not answer), the lease ends
-it: one line and exit code 74.
+Owns taking, keeping and releasing ``<model_dir>/estimax.lock`` on an object store, and saying whether this
+process may still write. The lock is an object holding its holder's record (``holder.Holder``) and the time of its
+last renewal. It is taken by a conditional create, or by replacing exactly the version of an expired lease; a
+background thread renews it by replacing exactly the version this process wrote last (``conditional.py``), so that
+a renewal never overwrites another process's lease. A write the store applied but answered after the call's timeout
+is recognised by its bytes (its renewal time is to the microsecond): its version is adopted, not taken for another
+process's. The timeline of a lease of ``L`` seconds: a renewal every ``L/4``; each call to the store waits at most
+``L/4``; this process may write until ``3L/4`` after the start of its last renewal that succeeded, ``L/4`` before
+anyone else may take the lease over. A process paused past that point (SIGSTOP, a long GC, a frozen VM) writes
+nothing more until a renewal proves that nobody took the lease meanwhile; if somebody did, ``check()`` raises
+``LeaseLostError`` naming it, and if the store does not answer (also to a second try when the renewal under way was
+cut off), ``StoreUnavailableError``. When the process is still running ``L/4`` after that verdict (blocked in a
+write to a store that does not answer), the lease ends it: one line and exit code 74.
 
 A training process that names its run (``ESTIMAX_RUN_ID``, see ``lock.py``) takes over at once a lease that an
 earlier attempt of its run holds, by replacing exactly the version it read: of two later attempts, one wins. As a
@@ -78,8 +74,8 @@ class LeaseLock:
     """The writer lock of a model_dir on an object store (see the module docstring).
 
     ``lease_seconds`` and ``deadline_seconds`` default to ``ESTIMAX_LEASE_SECONDS`` (60) and
-    ``ESTIMAX_STORE_DEADLINE_SECONDS`` (120). ``committed_step``: the last step saved for good,
-    which the lines about a failure tell the user to resume from (the run directory's checkpoints).
+    ``ESTIMAX_STORE_DEADLINE_SECONDS`` (120). ``committed_step``: the last step saved for good, which the lines about
+    a failure tell the user to resume from (the run directory's checkpoints).
     """
 
     def __init__(
@@ -99,6 +95,7 @@ class LeaseLock:
         self._object = None
         self._record = Holder()
         self._version: str | None = None
+        self._unanswered: dict[bytes, float] = {}  # writes the store may have applied unseen: bytes -> their start
         self._proof = Proof(self._writable_seconds, watches_pauses=False, started=0.0)  # what the last renewal proved
         self._lost: StorageError | ModelDirLockedError | None = None
         self._composed = threading.Event()  # cleared while the line of a takeover is being composed
@@ -123,7 +120,7 @@ class LeaseLock:
         over an earlier attempt's lease at once and a later attempt takes over its own (readers never do)."""
         if self.held:
             return self
-        self.left = ()
+        self.left, self._unanswered = (), {}
         self._object = self._object or open_object(self.path)
         self._record = dataclasses.replace(this_process(training), lease_seconds=self.lease_seconds)
         deadline = Deadline("taking the lock", self.path, self.deadline_seconds, fix="nothing was written; run "
@@ -146,13 +143,16 @@ class LeaseLock:
 
     def _try_take(self) -> bool:
         started = time.monotonic()
-        version = self._object.create(self._encoded(), self._call_seconds)
+        version = self._object.create(self._sent(started), self._call_seconds)
         if version is not None:
             self._hold(version, started)
             return True
         found = self._object.read(self._call_seconds)
         if found is None:
             return False  # released in between
+        if found[0] in self._unanswered:  # an earlier try's create or replace was applied, its answer lost
+            self._hold(found[1], self._unanswered[found[0]])
+            return True
         holder = lease_holder(found[0], self.path)
         if continues(holder, self._record):
             raise superseded(self.model_dir, holder)
@@ -170,14 +170,9 @@ class LeaseLock:
         self.left = left_steps(holder, still_writing=not gone)
         self._record = dataclasses.replace(self._record, left=self.left)  # passed on: a paused holder may write them
         started = time.monotonic()
-        self._hold(self._object.replace(self._encoded(), found[1], self._call_seconds), started)
-        reason = (
-            f"it is held by an earlier attempt of this run ({RUN_ID}={holder.run})"
-            if earlier
-            else "its holder is gone"
-            if gone
-            else f"its lease expired {age - holder.lease_seconds:.0f} s ago"
-        )
+        self._hold(self._object.replace(self._sent(started), found[1], self._call_seconds), started)
+        expired = "its holder is gone" if gone else f"its lease expired {age - holder.lease_seconds:.0f} s ago"
+        reason = f"it is held by an earlier attempt of this run ({RUN_ID}={holder.run})" if earlier else expired
         logger.warning("Took over the lock of model_dir %s: %s (%s).", self.model_dir, reason, describe(holder))
         return True
 
@@ -193,7 +188,7 @@ class LeaseLock:
 
     # -- keeping -----------------------------------------------------------------
     def _hold(self, version: str, started: float) -> None:
-        self._version, self._lost = version, None
+        self._version, self._lost, self._unanswered = version, None, {}
         self._proof = Proof(self._writable_seconds, self._watches_pauses, started)
         self.held = True
         self._stop, self._wake = threading.Event(), threading.Event()
@@ -219,8 +214,14 @@ class LeaseLock:
                 return
             started = time.monotonic()
             try:
-                version = self._object.replace(self._encoded(), self._version, self._call_seconds)
+                version = self._object.replace(self._sent(started), self._version, self._call_seconds)
             except Changed:
+                with contextlib.suppress(Exception):  # a renewal applied, its answer lost: the lease is still its own
+                    found = self._object.read(self._call_seconds)
+                    if found is not None and found[0] in self._unanswered:
+                        self._renewed(found[1], self._unanswered[found[0]])
+                        pause = 0.0
+                        continue
                 with self._changed:  # nothing is written from now on, however long the line takes to compose
                     self._composed.clear()
                     self._lost = LeaseLostError(f"model_dir {self.model_dir}: another process took over {self.path}.")
@@ -236,17 +237,21 @@ class LeaseLock:
                         pause = 0.0  # a call begun in time, cut off (perhaps frozen mid-call): once more, now
                         continue
                 return self._lose(self._unreachable(error))
-            with self._changed:
-                if started > self._proof.until:
-                    logger.warning(
-                        "%s: this process could not prove it held the lease for %.0f s (it was paused or starved "
-                        "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
-                        self.path, started - self._proof.until,
-                    )  # fmt: skip
-                self._version = version
-                self._proof.renewed(started)
-                self._changed.notify_all()
+            self._renewed(version, started)
             pause = self._call_seconds
+
+    def _renewed(self, version: str, started: float) -> None:
+        """The store holds this process's lease as ``version``, written by a renewal begun at ``started``."""
+        with self._changed:
+            if started > self._proof.until:
+                logger.warning(
+                    "%s: this process could not prove it held the lease for %.0f s (it was paused or starved "
+                    "of CPU) and wrote nothing meanwhile; nobody took the lease over: writing goes on.",
+                    self.path, started - self._proof.until,
+                )  # fmt: skip
+            self._version, self._unanswered = version, {}
+            self._proof.renewed(started)
+            self._changed.notify_all()
 
     def _lose(self, error: StorageError | ModelDirLockedError) -> None:
         stop = self._stop
@@ -260,47 +265,39 @@ class LeaseLock:
             os._exit(STORE_FAILURE_EXIT_CODE)
 
     def _taken_over(self) -> LeaseLostError:
-        step = None
+        step, taker = None, None
         try:
             found = self._object.read(self._call_seconds)
-            holder = lease_holder(found[0], self.path) if found else None
+            taker = lease_holder(found[0], self.path) if found else None
             step = self.committed_step(read=True)  # the store answers: what is committed there now
-            if holder is not None and continues(holder, self._record):
-                return taken_over(self.model_dir, self.path, holder, self._record, step)
-            taker = describe(holder) if holder else "nobody holds it now (it was deleted)"
         except Exception as error:  # noqa: BLE001 - the loss is what matters; who took it is a detail
             taker = f"unknown (reading the lock failed: {one_line(error)})"
         step = self.committed_step() if step is None else step
-        return LeaseLostError(
-            f"model_dir {self.model_dir}: another process took over the lock {self.path} while this one held it "
-            f"(this one was paused or cut off for longer than the {self.lease_seconds:g} s lease): {taker}. This "
-            f"process stopped writing before its lease could expire; {resume(step)}. Expected one writer per "
-            "model_dir. Fix: let the other process finish, or stop it and run the same command again."
-        )
+        return taken_over(self.model_dir, self.path, taker, self._record, step)
 
     def _unreachable(self, error: BaseException) -> StoreUnavailableError:
         waited = time.monotonic() - self._proof.started
         return StoreUnavailableError(
             f"{self.path}: renewing the lease: the store did not answer for {waited:.0f} s ({one_line(error)}); "
             f"this process stopped writing before its {self.lease_seconds:g} s lease could expire. "
-            f"Fix: {self._resume()} with the same command once the store answers."
+            f"Fix: {resume(self.committed_step())} with the same command once the store answers."
         )
 
     def _expires(self) -> str:
         return f"none needed: the next run takes the lock over once its lease expires ({self.lease_seconds:g} s)"
 
-    def _resume(self) -> str:
-        return resume(self.committed_step())
-
-    def _encoded(self) -> bytes:
-        return dataclasses.replace(self._record, renewed_at=time.time()).to_json().encode()
+    def _sent(self, started: float) -> bytes:
+        """The record to write now, kept until the store answers (a write cut off by its timeout may be applied)."""
+        data = dataclasses.replace(self._record, renewed_at=time.time()).to_json().encode()
+        self._unanswered[data] = started
+        return data
 
     # -- writing under it ----------------------------------------------------------
     def check(self) -> None:
-        """Returns while this process provably holds the lease (or holds none: a reader); raises
-        ``LeaseLostError`` or ``StoreUnavailableError`` once it cannot prove it. Past its proof (it
-        was paused; a holder that names its run: after any pause of ``PAUSE_SECONDS``) it waits for
-        the renewal thread's verdict, at most two calls to the store."""
+        """Returns while this process provably holds the lease (or holds none: a reader); raises ``LeaseLostError`` or
+        ``StoreUnavailableError`` once it cannot prove it. Past its proof (it was paused; a holder that names its
+        run: after any pause of ``PAUSE_SECONDS``) it waits for the renewal thread's verdict, at most two calls to
+        the store."""
         if not self.held:
             return
         with self._changed:
@@ -315,13 +312,12 @@ class LeaseLock:
             raise self._said(lost)
 
     def prove(self, saving: int | None = None) -> None:
-        """Returns when this process holds the lease now, not only within the window of its last renewal;
-        raises as ``check()`` does. Called before a write that must not land after a takeover (a
-        checkpoint's start and commit, a deletion, an upload of the records). A holder that a later
-        attempt of its run may take over at any moment reads the lease (a takeover replaced it).
-        ``saving``: the step of the checkpoint about to be written, named in the lease by a renewal
-        that began after this call, so that a process that takes the lease over, even once it expired,
-        never writes that step (``fenced_commit.py``)."""
+        """Returns when this process holds the lease now, not only within the window of its last renewal; raises as
+        ``check()`` does. Called before a write that must not land after a takeover (a checkpoint's start and commit,
+        a deletion, an upload of the records). A holder that a later attempt of its run may take over at any moment
+        reads the lease (a takeover replaced it). ``saving``: the step of the checkpoint about to be written, named
+        in the lease by a renewal that began after this call, so that a process that takes the lease over, even once
+        it expired, never writes that step (``fenced_commit.py``)."""
         if not self.held:
             return
         self.check()
@@ -381,8 +377,8 @@ class LeaseLock:
         while True:
             try:
                 found = self._object.read(self._call_seconds)
-                if found is not None and found[1] == self._version:
-                    self._object.delete(self._version, self._call_seconds)
+                if found is not None and (found[1] == self._version or found[0] in self._unanswered):
+                    self._object.delete(found[1], self._call_seconds)
                 return
             except Changed:
                 return
