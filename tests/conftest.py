@@ -14,10 +14,10 @@ import os
 import types
 
 _FAST_COMPILE = "" if os.environ.get("TESTS_XLA_OPTIMIZATION") == "on" else " --xla_backend_optimization_level=0"
-# XLA:CPU aborts a process whose collective waited 40 s for one of its devices' threads: on 2 cores shared by three
-# workers of 8 devices each and the processes they start, a step's all-reduce has waited that long (a worker was lost
-# to an abort inside a step loop's dispatch). Longer here: a collective that is really stuck fails its test at
-# pytest-timeout, with every thread's stack, instead of ending the worker.
+# A worker was lost to an abort (SIGABRT, no Python error) inside a step loop's dispatch on 8 devices. The likely
+# cause: XLA:CPU aborts a process whose collective waited 40 s for one of its devices (openxla/xla PR 32115 made it
+# a flag for uneven loads), and 2 cores shared by three workers of 8 devices and the processes they start are
+# uneven. Longer here: a collective that waits that long fails its test at pytest-timeout, with every thread's stack.
 _PATIENT_COLLECTIVES = " --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8" + _FAST_COMPILE + _PATIENT_COLLECTIVES
