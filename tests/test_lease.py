@@ -217,29 +217,41 @@ def test_a_write_the_store_applied_after_its_call_timed_out_leaves_the_lease_its
     write (fake-gcs-server does; moto drops a request whose client has gone)."""
     url, pid = "gs://bkt/answered-late", gcs.process.pid
     lease = 2 * LEASE  # each call waits lease / 4 = 2 s; a retry of a take follows 2 s later, of a renewal 1 s
+    timed_out = "the store did not answer"
 
-    def stalled_for(seconds: float, call):
+    def stalled_until_timed_out(call):
+        """``call()`` while the store stands still until the holder's write has timed out (its warning),
+        and then answers: it applies that write before the holder tries again."""
+        seen = estimax_log.text.count(timed_out)
+
+        def resume():
+            while estimax_log.text.count(timed_out) == seen and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGCONT)
+
+        deadline = time.monotonic() + 3 * lease
         os.kill(pid, signal.SIGSTOP)
-        resume = threading.Timer(seconds, os.kill, (pid, signal.SIGCONT))
-        resume.start()
+        resumer = threading.Thread(target=resume)
+        resumer.start()
         try:
             return call()
         finally:
-            resume.cancel()
+            deadline = 0.0
+            resumer.join()
             os.kill(pid, signal.SIGCONT)
 
     lock = LeaseLock(url, lease_seconds=lease, deadline_seconds=30)
-    stalled_for(3.0, lock.acquire)  # the create times out at 2 s, is applied at 3, tried again at 4
+    stalled_until_timed_out(lock.acquire)  # the create times out, is applied, and is tried again 2 s later
     try:
         lock.prove(saving=1)  # a renewal now
-        stalled_for(2.5, lambda: lock.prove(saving=2))  # renewed at 0 (applied at 2.5), tried again at 3
+        stalled_until_timed_out(lambda: lock.prove(saving=2))  # a renewal times out, is applied, is tried again
         lock.check()
         found = Holder.from_json(storage.read_bytes(f"{url}/{LOCK_FILE}"))
         assert (found.host, found.pid, found.saving) == (this_process().host, os.getpid(), 2), found
     finally:
         lock.release()
     assert not storage.exists(f"{url}/{LOCK_FILE}")  # released: its own to delete
-    assert estimax_log.text.count("the store did not answer") == 2, estimax_log.text  # one for each write
+    assert estimax_log.text.count(timed_out) == 2, estimax_log.text  # one for each write
 
 
 @pytest.mark.parametrize(
