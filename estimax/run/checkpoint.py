@@ -5,9 +5,10 @@ Owns saving (async), which checkpoints are kept, and restoring the latest
 ``save_schedule.py``'s, told here when each save starts and commits.
 
 A checkpoint is the state (Orbax's standard format: tensorstore arrays and
-JSON metadata, never pickle; written by ``checkpoint_handlers.py``) plus a JSON record (``checkpoint_meta.py``) with
-the step, the input position and a checksum of every array computed on the
-device at save time (``checkpoint_checks.py``).
+JSON metadata, never pickle; written by ``checkpoint_handlers.py``) plus a
+JSON record (``checkpoint_meta.py``) with the step, the input position and a
+checksum of every array computed on the device at save time
+(``checkpoint_checks.py``).
 A half-written checkpoint (a killed save) is never listed by Orbax, and a
 writer removes it with a warning naming the step; a
 truncated or altered one fails to restore or fails its checksums, and the

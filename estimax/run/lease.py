@@ -150,8 +150,9 @@ class LeaseLock:
         found = self._object.read(self._call_seconds)
         if found is None:
             return False  # released in between
-        if found[0] in self._unanswered:  # an earlier try's create or replace was applied, its answer lost
-            self._hold(found[1], self._unanswered[found[0]])
+        applied = self._unanswered.get(found[0])  # an earlier try's create or replace, applied, its answer lost
+        if applied is not None:
+            self._hold(found[1], applied)
             return True
         holder = lease_holder(found[0], self.path)
         if continues(holder, self._record):
@@ -218,8 +219,9 @@ class LeaseLock:
             except Changed:
                 with contextlib.suppress(Exception):  # a renewal applied, its answer lost: the lease is still its own
                     found = self._object.read(self._call_seconds)
-                    if found is not None and found[0] in self._unanswered:
-                        self._renewed(found[1], self._unanswered[found[0]])
+                    applied = self._unanswered.get(found[0]) if found is not None else None
+                    if applied is not None:
+                        self._renewed(found[1], applied)
                         pause = 0.0
                         continue
                 with self._changed:  # nothing is written from now on, however long the line takes to compose
