@@ -26,9 +26,10 @@ from helpers import job_env, read_only
 from models import blobs, estimator
 
 import estimax as ex
-from estimax.errors import EvaluationError, ModelDirLocked, ModelDirNotWritable
+from estimax.errors import EvaluationError, LeaseLostError, ModelDirLocked, ModelDirNotWritable
 from estimax.estimator import UntrainedWarning
-from estimax.run.holder import LOCK_FILE, process_start, this_process
+from estimax.run.checkpoint import Checkpointer
+from estimax.run.holder import LOCK_FILE, RUN_ID, process_start, this_process
 from estimax.run.lock import Lock
 
 TESTS = os.path.dirname(__file__)
@@ -87,6 +88,30 @@ def test_a_damaged_checkpoint_is_moved_aside_and_saved_again(model_dir):
     reader.evaluate(DATA)
     with open(os.path.join(model_dir, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f][-1] == 8  # evaluate used the newest step
+
+
+def test_a_writer_taken_over_while_it_restores_moves_nothing_aside_and_ends_with_the_locks_error(
+    model_dir, monkeypatch
+):
+    estimator(model_dir, loop="step", steps_per_loop=2, save_every_steps=2).train(DATA, max_steps=8)
+    _truncate_arrays(model_dir, 8)
+    monkeypatch.setenv(RUN_ID, "run-a")  # an attempt of a run: a later one takes its lock over at once
+    restore = Checkpointer.restore
+
+    def taken_over_meanwhile(self, abstract_state, step=None):
+        path = os.path.join(model_dir, LOCK_FILE)
+        with open(path) as f:
+            record = json.load(f)
+        record["attempt_started"] += 1  # a later attempt's record: what a takeover writes
+        with open(path, "w") as f:
+            json.dump(record, f)
+        return restore(self, abstract_state, step)
+
+    monkeypatch.setattr(Checkpointer, "restore", taken_over_meanwhile)
+    with pytest.raises(LeaseLostError, match="took over"):  # the lock's error (exit 74), not damage
+        estimator(model_dir, loop="step", steps_per_loop=2, save_every_steps=2).train(DATA, max_steps=10)
+    names = os.listdir(os.path.join(model_dir, "checkpoints"))
+    assert _steps(model_dir) == [4, 6, 8] and not [n for n in names if ".corrupt-" in n], names  # the new writer's
 
 
 # -- 2: one writer per model_dir ---------------------------------------------------

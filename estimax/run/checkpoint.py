@@ -277,6 +277,9 @@ class Checkpointer:
                 if step is None and listings < pruning.LISTINGS and (self.latest_step() or -1) > candidates[0]:
                     # A newer step was committed since the listing: the writer may have deleted this one.
                     return self._restore(abstract_state, None, listings + 1)
+                # A later attempt that took the model_dir over meanwhile may have pruned or replaced this step:
+                # the lock's error (exit 74), not damage, and nothing moved aside by a process that is no writer.
+                self._lock.prove()
                 failures.append(f"step {candidate}: {first_line(error)}")
                 logger.warning("Checkpoint %s/%d cannot be used: %s", self.directory, candidate, first_line(error))
                 damaged[candidate] = step_identity(storage.join(self.directory, str(candidate)))
@@ -300,6 +303,7 @@ class Checkpointer:
         """Moves the step directories the last restore found damaged aside, so that training saves those
         steps again (``checkpoint_repair.move_aside``)."""
         if self._damaged:
+            self._lock.prove()  # a rename that must not land after a takeover
             self._moved_aside.update(move_aside(self.directory, self._damaged))
             self._damaged = {}
             self._manager.reload()
