@@ -170,9 +170,10 @@ def test_racing_attempts_leave_one_writer_and_one_history(store, gap, first_stat
     assert "third" in finished, results["third"][2]  # the latest attempt carries the run to its end
     for name, (code, out, err) in results.items():
         if code == 0:
-            assert f"trained to step {RACE_STEPS}" in out and _digest(out) == reference(RACE_STEPS), (name, err)
+            assert f"trained to step {RACE_STEPS}" in out and _digest(out) == reference(RACE_STEPS), f"{name}: {err}"
             continue
         lines = _error_lines(err)
-        assert code == 74 and len(lines) == 1 and "Traceback" not in err, (name, err)
+        # A text, not a tuple: pytest prints a text whole, and cuts a tuple's repr in the middle.
+        assert code == 74 and len(lines) == 1 and "Traceback" not in err, f"{name} (exit {code}): {err}"
         assert "later attempt" in lines[0], (name, lines[0])
     _one_history(model_dir, RACE_STEPS)
