@@ -22,6 +22,7 @@ import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
 from estimax.errors import StorageError
+from estimax.run import checkpoint
 from estimax.run.holder import this_process
 from estimax.run.lease import LeaseLock
 
@@ -136,7 +137,7 @@ def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
     assert "Restored step 4" in caplog.text and "Moved the damaged checkpoint" in caplog.text
 
 
-def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_path, caplog):
+def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_path, estimax_log):
     url = "gs://bkt/unfinished"
     store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(
         ex.data.from_arrays(*STORE_DATA), max_steps=8
@@ -145,11 +146,36 @@ def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_pa
     # A bucket has no atomic rename: a save stopped mid-write leaves the step's folder without Orbax's marker.
     fs.rm_file(f"{inner}/checkpoints/8/commit_success.txt")
     resumed = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
-    with caplog.at_level("INFO", logger="estimax"):
-        resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
-    assert f"The save of step 8 in {url}/checkpoints never finished" in caplog.text
-    assert "Restored checkpoint step 4" in caplog.text
+    resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)  # restores 4, trains 4 -> 8 again
+    assert f"The save of step 8 in {url}/checkpoints never finished" in estimax_log.text
+    assert "Restored checkpoint step 4" in estimax_log.text
     assert "checkpoints/8/commit_success.txt" in bucket_names(url)
+    local = store_estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
+    local.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)
+    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_gs_a_step_removed_as_unfinished_is_not_restored_though_committed_meanwhile(
+    gcs, tmp_path, estimax_log, monkeypatch
+):
+    # An earlier attempt, taken over while it saved step 4, commits it (inside its fence's window) after the new
+    # writer found it unfinished and before Orbax listed the steps: the writer removes it, then restores from
+    # what is left (nothing here), never from the step it removed ("No usable checkpoint" before).
+    url = "gs://bkt/committed-meanwhile"
+    store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4)).train(
+        ex.data.from_arrays(*STORE_DATA), max_steps=4
+    )
+    found = [[4]]  # what the check found, once: step 4 without its marker then
+    unfinished = checkpoint.unfinished_steps
+    monkeypatch.setattr(
+        checkpoint, "unfinished_steps", lambda d, committed: found.pop() if found else unfinished(d, committed)
+    )
+    resumed = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
+    resumed.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)  # from step 0
+    assert f"The save of step 4 in {url}/checkpoints never finished" in estimax_log.text
+    assert "cannot be used" not in estimax_log.text and "Restored" not in estimax_log.text, estimax_log.text
     local = store_estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
     local.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)
     a, b = jax.device_get(resumed.state()), jax.device_get(local.state())

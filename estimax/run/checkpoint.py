@@ -138,6 +138,8 @@ class Checkpointer:
                 self._manager = self._open(False)
             self.read_only, self._manager_writable = False, True
             remove_unfinished(self.directory, unfinished)
+            if unfinished:  # Orbax listed when it opened: a step committed since the check (by a writer taken
+                self._manager.reload()  # over, inside its fence's window) and removed here is not listed
             for step in unfinished:
                 again = "is not saved by this run" if step in self._left else "is saved again when training reaches it"
                 logger.warning(
@@ -246,12 +248,8 @@ class Checkpointer:
         if not self.policy.async_save:
             self.schedule.finished()
         if step in self._moved_aside:
-            logger.warning(
-                "Saved step %d again in %s; the damaged one is kept in %s.",
-                step,
-                self.directory,
-                self._moved_aside.pop(step),
-            )
+            aside = self._moved_aside.pop(step)
+            logger.warning("Saved step %d again in %s; the damaged one is kept in %s.", step, self.directory, aside)
 
     def restore(self, abstract_state, step: int | None = None) -> tuple[object, CheckpointMeta]:
         """``(state, meta)`` of ``step``, or of the latest checkpoint that restores and verifies.
