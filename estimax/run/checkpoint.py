@@ -138,8 +138,8 @@ class Checkpointer:
                 self._manager = self._open(False)
             self.read_only, self._manager_writable = False, True
             remove_unfinished(self.directory, unfinished)
-            if unfinished:  # Orbax listed when it opened: a step committed since the check (by a writer taken
-                self._manager.reload()  # over, inside its fence's window) and removed here is not listed
+            if unfinished:  # Orbax listed on opening: a step committed since the check, removed here, is listed no more
+                self._manager.reload()
             for step in unfinished:
                 again = "is not saved by this run" if step in self._left else "is saved again when training reaches it"
                 logger.warning(
