@@ -14,6 +14,7 @@ import fsspec
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from helpers import STORE_DATA, bucket_names, store_estimator, user_env
 from models import mlp, model_fn
@@ -21,9 +22,9 @@ from models import mlp, model_fn
 import estimax as ex
 from estimax import storage
 from estimax.data import tfrecord
-from estimax.errors import StorageError
+from estimax.errors import LeaseLostError, StorageError
 from estimax.run import checkpoint
-from estimax.run.holder import this_process
+from estimax.run.holder import LOCK_FILE, RUN_ID, Holder, this_process
 from estimax.run.lease import LeaseLock
 
 # -- paths as users type them -----------------------------------------------------------
@@ -181,6 +182,29 @@ def test_gs_a_step_removed_as_unfinished_is_not_restored_though_committed_meanwh
     a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
     for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_gs_a_save_that_fails_after_a_takeover_ends_with_the_locks_error(gcs, monkeypatch):
+    # A later attempt of the run takes the lease over while a save is in flight and removes that step as unfinished:
+    # the save fails (Orbax's finalize finds its files gone). What ends the run is the lock's error (exit 74), not
+    # the store's FileNotFoundError (exit 1), though the lease's last renewal still holds.
+    url = "gs://bkt/failed-after-takeover"
+    monkeypatch.setenv(RUN_ID, "run-a")  # an attempt of a run: a later one takes its lease over at any moment
+    wait = ocp.CheckpointManager.wait_until_finished
+
+    def taken_over_then_failed(self):
+        wait(self)
+        if self.all_steps():  # the first save is done: the takeover, then that save's failure
+            later = Holder.from_json(storage.read_bytes(f"{url}/{LOCK_FILE}").decode())
+            later = dataclasses.replace(later, attempt_started=later.attempt_started + 1, pid=later.pid + 1)
+            storage.write_bytes(f"{url}/{LOCK_FILE}", later.to_json().encode())
+            raise FileNotFoundError(f"{url}/checkpoints/4/state/array_metadatas/process_0")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "wait_until_finished", taken_over_then_failed)
+    with pytest.raises(LeaseLostError, match="took over"):
+        store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=2)).train(
+            ex.data.from_arrays(*STORE_DATA), max_steps=8
+        )
 
 
 def test_gs_lock_names_the_holder_and_takes_over_an_expired_lease(gcs, estimax_log):

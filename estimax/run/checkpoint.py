@@ -342,11 +342,12 @@ class Checkpointer:
     @contextlib.contextmanager
     def _lock_errors(self):
         """A save that failed because this process lost the model_dir's lock (its commit was refused,
-        ``fenced_commit.py``) raises the lock's own error: one line, exit code 74."""
+        ``fenced_commit.py``, or the attempt that took over removed its unfinished files) raises the lock's
+        own error: one line, exit code 74. Proved, not checked: the lease's last renewal may still hold."""
         try:
             yield
         except Exception:
-            self._lock.check()
+            self._lock.prove()
             raise
 
     def close(self) -> None:
