@@ -147,15 +147,18 @@ class DeviceLoop:
 
     def run(self, state, chunk: DeviceChunk):
         """``(state, outputs, seconds spent compiling)`` of one chunk's steps, dispatched (not waited for)."""
-        if not self._counted:  # lowered once more (not compiled): one estimate per run
-            self._counted = True
-            step_args = self._step_args(chunk)
-            self.flops_per_step = flops.step_flops(self.step, state, *step_args, micro_batches=self._micro_batches)
         if self.loop == "auto":
             self.loop, reason = self._choose(state, chunk)
             # An internal choice: in a notebook it would open every kernel's output, so it is logged at debug there.
             level = logging.DEBUG if counting.in_notebook() else logging.INFO
             logger.log(level, "loop=auto: using %s: %s", self.loop, reason)
+        if not self._counted:  # one estimate per run, of the program the loop runs: lowered once (JAX's cache)
+            self._counted = True
+            if self.loop == "scan" and not self._core.last_step_apart:  # XLA counts a loop's body once: one step
+                program, args = self.scan, (state, chunk.stack)
+            else:  # (a last step apart is a second copy of the step in the rolled loop's program)
+                program, args = self.step, (state, *self._step_args(chunk))
+            self.flops_per_step = flops.step_flops(program, *args, micro_batches=self._micro_batches)
         if self.loop == "scan":  # a shorter final stack compiles once more
             (state, outputs), compiling = self._timed(self.scan, ("scan", chunk.num_steps), state, chunk.stack)
             return state, [outputs], compiling
@@ -178,14 +181,14 @@ class DeviceLoop:
         A rolled loop costs accelerators nothing, and saves the host one call per
         step; XLA:CPU runs convolutions inside a loop body up to 10x slower than
         as separate calls (jax issue 12868), so a step with convolutions on CPU
-        runs step by step. The trace is the one the step loop compiles from.
+        runs step by step. The trace is the rolled loop's, which it compiles from when chosen.
         """
         backend = jax.default_backend()
         if backend != "cpu":
             return "scan", f"one compiled loop of {self._steps_per_loop} steps per host call on {backend}"
         if self._steps_per_loop == 1:
             return "step", "one step per loop"
-        slow = count_primitives(self.step.trace(state, *self._step_args(chunk)).jaxpr, SLOW_IN_CPU_LOOPS)
+        slow = count_primitives(self.scan.trace(state, chunk.stack).jaxpr, SLOW_IN_CPU_LOOPS)
         if slow:
             return "step", (
                 f"the training step has {slow} convolutions, which XLA:CPU runs up to 10x slower inside "
@@ -196,7 +199,7 @@ class DeviceLoop:
 
     def _step_args(self, chunk: DeviceChunk) -> tuple:
         """The step's batch and ``measure`` as ``ShapeDtypeStruct``s placed as the step loop places them:
-        the FLOP count, the choice of loop and the step loop's first call share one trace (JAX's cache)."""
+        the FLOP count and the step loop's first call share one trace and lowering (JAX's cache)."""
         batch = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=self._batch_sharding), chunk.stack
         )

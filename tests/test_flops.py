@@ -58,6 +58,27 @@ def test_a_dense_step_costs_six_flops_per_parameter_and_example():
     assert seen.flops_per_step == pytest.approx(6 * parameters * batch, rel=0.1)
 
 
+@pytest.mark.parametrize("grad_accum_steps", [1, 4])
+def test_the_rolled_loop_is_counted_as_one_step_like_the_step_loop(grad_accum_steps):
+    # The rolled loop's count is of its own lowering (XLA counts a loop's body once), the step loop's of the step's;
+    # with its last step apart (GPUs' loop, here on the CPU) the rolled loop holds two steps: the step is counted.
+    counts = {}
+    for loop, apart in (("scan", False), ("scan", True), ("step", False)):
+        seen = Seen()
+        config = ex.RunConfig(
+            train_batch_size=64, steps_per_loop=3, loop=loop, grad_accum_steps=grad_accum_steps, quiet=True
+        )
+        est = ex.Estimator(lambda rngs, params: Dense(rngs), squared_error, optax.sgd(1e-3), config)
+        est.core.last_step_apart = apart
+        x = np.zeros((256, 4), np.float32)
+        est.train(ex.data.from_arrays({"x": x}, np.zeros((256, 512), np.float32)), max_steps=3, hooks=[seen])
+        counts[loop, apart] = seen.flops_per_step
+    parameters = 4 * 512 + 3 * 512 * 512
+    step = counts["step", False]
+    assert counts["scan", False] == pytest.approx(step, rel=1e-4), counts  # the loop's counter: a few FLOPs
+    assert counts["scan", True] == step and step == pytest.approx(6 * parameters * 64, rel=0.1), counts
+
+
 def test_the_lm_step_costs_what_the_transformer_formula_says():
     sizes = {"seq_len": 64, "dim": 128, "num_heads": 4, "num_layers": 2, "mlp_ratio": 4}
     batch, seen = 8, Seen()

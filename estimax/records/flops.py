@@ -1,9 +1,11 @@
 """Model FLOP/s and MFU: what a training step costs by the compiler's count, against the device's peak.
 
-The FLOPs of one training step come from XLA's cost analysis of the lowered
-step (before compilation: nothing is compiled twice), for the whole global
-batch; a loop inside the step (gradient accumulation's micro-batches) is
-counted once by XLA, so its count is multiplied by the micro-batches. The
+The FLOPs of one training step come from XLA's cost analysis of the program
+the loop runs, lowered before its first call (which compiles that lowering,
+from JAX's cache: nothing is lowered or compiled twice), for the whole global
+batch. XLA counts a loop's body once: a rolled loop of steps counts one step,
+and a loop inside the step (gradient accumulation's micro-batches) is
+multiplied by the micro-batches. The
 achieved rate per device is that count times the steps per second over the
 number of devices; MFU divides it by the device's dense peak for the compute
 dtype, from ``PEAKS``. Owns the count, the table and the arithmetic, and the
@@ -44,8 +46,9 @@ PEAKS: tuple[tuple[str, float, float], ...] = (
 
 
 def step_flops(jitted_step, *args, micro_batches: int = 1) -> float | None:
-    """The FLOPs of one call of ``jitted_step(*args)`` (arrays or ShapeDtypeStructs) by XLA's
-    count of the lowered program; ``None`` where the backend gives none."""
+    """The FLOPs of one step of ``jitted_step(*args)`` (arrays or ShapeDtypeStructs) by XLA's
+    count of the lowered program: one call of a step, or one iteration of a rolled loop of
+    steps; ``None`` where the backend gives none."""
     try:
         lowered = jitted_step.lower(*args)
         # None on PJRT plugins (CUDA, TPU), which analyse compiled programs only (seen on an H200, jax 0.11.2)
