@@ -57,9 +57,10 @@ APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PRO
 JAX_SETTINGS = {"JAX_NUM_CPU_DEVICES": ("jax_num_cpu_devices", int)}
 _CHILDS_OWN = (*APPLIED, *JAX_SETTINGS)
 # What nearly every child imports; scikit-learn for the digits task the command line trains by default, gcsfs for
-# a model_dir on gs:// (0.4 CPU-s; it reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on import).
+# a model_dir on gs:// (0.4 CPU-s; it reads GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT on import), and the MLIR dialect
+# that JAX loads at a process's first lowering (0.02 CPU-s).
 PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
-             "sklearn.datasets", "sklearn.model_selection", "gcsfs")  # fmt: skip
+             "sklearn.datasets", "sklearn.model_selection", "gcsfs", "jaxlib.mlir.dialects.mhlo")  # fmt: skip
 _PR_SET_CHILD_SUBREAPER = 36
 
 
