@@ -96,7 +96,8 @@ class S3Server:
     def __init__(self, root: str, buckets=("bkt",), for_session=False):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        command = [sys.executable, os.path.join(os.path.dirname(__file__), "s3_server.py"), "-H", "127.0.0.1"]
+        command += ["-p", str(self.port)]
         self.process = subprocess.Popen(
             command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session)
         )
