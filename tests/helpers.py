@@ -16,6 +16,7 @@ import sys
 import time
 
 import fsspec
+import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -340,6 +341,12 @@ def store_estimator(model_dir, **config):
     settings = dict(model_dir=model_dir, train_batch_size=32, steps_per_loop=4, tensorboard=False, quiet=True)
     settings.update(config)
     return ex.Estimator(mlp, model_fn, optax.adam(1e-2), ex.RunConfig(**settings))
+
+
+def assert_same_params(a, b):
+    """The parameters of two states (``Estimator.state()``) are equal, bit for bit."""
+    for x, y in zip(jax.tree.leaves(jax.device_get(a.params)), jax.tree.leaves(jax.device_get(b.params)), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 def bucket_names(url: str) -> list[str]:

@@ -11,11 +11,10 @@ import time
 import urllib.request
 
 import fsspec
-import jax
 import numpy as np
 import optax
 import pytest
-from helpers import STORE_DATA, SigtermAfter, bucket_names, store_estimator
+from helpers import STORE_DATA, SigtermAfter, assert_same_params, bucket_names, store_estimator
 from models import mlp, model_fn
 
 import estimax as ex
@@ -24,11 +23,6 @@ from estimax.errors import StorageError
 from estimax.run.holder import this_process
 from estimax.run.lease import LeaseLock
 from estimax.storage import orbax_s3
-
-
-def assert_same_params(a, b):
-    for x, y in zip(jax.tree.leaves(jax.device_get(a.params)), jax.tree.leaves(jax.device_get(b.params)), strict=True):
-        np.testing.assert_array_equal(x, y)
 
 
 def requests_for_objects(server_url: str) -> list[tuple[str, str]]:

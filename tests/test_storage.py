@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import STORE_DATA, bucket_names, store_estimator, user_env
+from helpers import STORE_DATA, assert_same_params, bucket_names, store_estimator, user_env
 from models import mlp, model_fn
 
 import estimax as ex
@@ -71,9 +71,7 @@ def test_gs_model_dir_trains_resumes_bitwise_evaluates_exports_and_serves(gcs, t
     local = store_estimator(str(tmp_path / "local"), checkpoint=policy).train(
         ex.data.from_arrays(*STORE_DATA), max_steps=32
     )
-    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_same_params(resumed.state(), local.state())
 
     # The records of both runs, in one object that fsspec reads; every step's point in TensorBoard.
     with fsspec.open(f"{url}/metrics.jsonl") as f:
@@ -118,8 +116,7 @@ def test_gs_best_checkpoint_and_warm_start_from_a_bucket(gcs):
     warm = ex.Estimator(
         mlp, model_fn, optax.adam(1e-2), ex.RunConfig(model_dir=None, train_batch_size=32), warm_start=ex.WarmStart(url)
     )
-    for x, y in zip(jax.tree.leaves(warm.state().params), jax.tree.leaves(est.state().params), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_same_params(warm.state(), est.state())
 
 
 def test_gs_damaged_checkpoint_is_moved_aside_by_copy_then_delete(gcs, caplog):
@@ -153,9 +150,7 @@ def test_gs_save_stopped_before_its_commit_is_removed_with_a_warning(gcs, tmp_pa
     assert "checkpoints/8/commit_success.txt" in bucket_names(url)
     local = store_estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
     local.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)
-    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_same_params(resumed.state(), local.state())
 
 
 def test_gs_a_step_removed_as_unfinished_is_not_restored_though_committed_meanwhile(
@@ -179,9 +174,7 @@ def test_gs_a_step_removed_as_unfinished_is_not_restored_though_committed_meanwh
     assert "cannot be used" not in estimax_log.text and "Restored" not in estimax_log.text, estimax_log.text
     local = store_estimator(str(tmp_path / "local"), checkpoint=ex.CheckpointPolicy(every_steps=4))
     local.train(ex.data.from_arrays(*STORE_DATA), max_steps=8)
-    a, b = jax.device_get(resumed.state()), jax.device_get(local.state())
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True):
-        np.testing.assert_array_equal(x, y)
+    assert_same_params(resumed.state(), local.state())
 
 
 def test_gs_a_save_that_fails_after_a_takeover_ends_with_the_locks_error(gcs, monkeypatch):
