@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers read (``X as X``: re-exported); at run t
     from estimax import trackers as trackers
     from estimax.config import Best as Best
     from estimax.config import CheckpointPolicy as CheckpointPolicy
+    from estimax.config import Epochs as Epochs
     from estimax.config import RunConfig as RunConfig
     from estimax.errors import *  # noqa: F403  # every error kind: the names of estimax.errors.__all__
     from estimax.estimator import Estimator as Estimator
@@ -49,6 +50,7 @@ _MOVED = {"task": "estimax.cli.task"}  # old paths, kept for one release with a 
 _NAMES = {
     "Best": "estimax.config",
     "CheckpointPolicy": "estimax.config",
+    "Epochs": "estimax.config",
     "Compiled": "estimax.loop",
     "LoRA": "estimax.fine_tuning",
     "RunConfig": "estimax.config",

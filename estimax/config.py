@@ -4,7 +4,7 @@ A validated, immutable dataclass. It owns the run's settings and the check of ea
 (names, ranges, the form of mesh axes and sharding rules); nothing here touches devices or
 files, and nothing imports JAX: a check that needs the devices (a batch that splits over them)
 is ``data/plan.py``'s, made when a call starts. The checks of one value are
-``checks/values.py``'s; ``CheckpointPolicy`` and ``Best`` are ``policies.py``'s (named here
+``checks/values.py``'s; ``CheckpointPolicy``, ``Best`` and ``Epochs`` are ``policies.py``'s (named here
 too, where they have always been imported from).
 """
 
@@ -21,10 +21,10 @@ from estimax import counting
 from estimax.checks import values
 from estimax.errors import ConfigError, ConfigTypeError
 from estimax.fine_tuning import LoRA, check_freeze
-from estimax.policies import DEFAULT_CHECKPOINT_POLICY, Best, CheckpointPolicy
+from estimax.policies import DEFAULT_CHECKPOINT_POLICY, Best, CheckpointPolicy, Epochs
 from estimax.records.tracker_kinds import resolve as resolve_trackers
 
-__all__ = ["Best", "CheckpointPolicy", "RunConfig"]
+__all__ = ["Best", "CheckpointPolicy", "Epochs", "RunConfig"]
 
 LOOP_KINDS = ("auto", "scan", "step")
 """The device loops ``RunConfig(loop=...)`` and ``--loop`` take."""

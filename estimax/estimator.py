@@ -18,7 +18,7 @@ import optax
 from estimax import assembly, eval_sets, policies
 from estimax import follow as follow_lib
 from estimax.checks import calls, validation
-from estimax.config import Best, RunConfig
+from estimax.config import Best, Epochs, RunConfig
 from estimax.data.plan import InputPlan
 from estimax.fine_tuning import lora as lora_lib
 from estimax.fingerprint import Computation
@@ -164,7 +164,7 @@ class Estimator:
     @overload
     def train_and_evaluate(self, train_input, eval_input, **options) -> dict[str, float]: ...
     @calls.one_thread_at_a_time
-    @policies.takes_old_best_arguments
+    @policies.takes_old_arguments
     def train_and_evaluate(
         self,
         train_input,
@@ -172,17 +172,15 @@ class Estimator:
         *,
         max_steps: int | None = None,
         epochs: int | None = None,
-        eval_every_steps: int | None = None,
-        eval_every_epochs: int | None = None,
+        eval_every: int | Epochs | None = None,
         best: Best | None = None,
         hooks: Sequence[Hook] = (),
     ) -> dict[str, float] | dict[str, dict[str, float]]:
         """Alternates training and exact evaluation of ``eval_input``; returns the last evaluation
         (``{name: results}`` for a mapping of sets).
 
-        Evaluates when a multiple of ``eval_every_steps`` (or of
-        ``eval_every_epochs`` epochs) is crossed and at the end, without
-        rebuilding or recompiling anything.
+        Evaluates when a multiple of ``eval_every`` steps (or epochs) is crossed
+        and at the end, without rebuilding or recompiling anything.
 
         Args:
             train_input: the training input (``estimax.data``).
@@ -191,8 +189,8 @@ class Estimator:
                 recorded under its name (the split ``eval_<name>``).
             max_steps: the step to train until, counted from step 0.
             epochs: train until this many epochs of ``train_input`` are done.
-            eval_every_steps: evaluate when a multiple of this step is crossed.
-            eval_every_epochs: evaluate every this many epochs instead.
+            eval_every: evaluate when a multiple of this many steps is crossed; or
+                ``estimax.Epochs(n)``: every ``n`` epochs of ``train_input`` (of known size).
             best: names the metric that decides which evaluation is the best
                 (``estimax.Best``): its checkpoint is kept in ``<model_dir>/best``, and
                 with ``patience`` training stops when it has not improved for that many
@@ -200,11 +198,11 @@ class Estimator:
             hooks: run on the host after every loop (``estimax.hooks.Hook``).
 
         ``best_metric=``, ``mode=`` and ``patience=`` still work for one release (a
-        ``DeprecationWarning``): they become ``best=Best(...)``.
+        ``DeprecationWarning``): they become ``best=Best(...)``; so do ``eval_every_steps=N``
+        (``eval_every=N``) and ``eval_every_epochs=N`` (``eval_every=Epochs(N)``).
         """
-        every = (eval_every_steps, eval_every_epochs)
         call = self._train_call.evaluated(
-            train_input, eval_input, every, best, hooks, self._checks, self._evaluations.one_set
+            train_input, eval_input, eval_every, best, hooks, self._checks, self._evaluations.one_set
         )
         lengths = (max_steps, None, epochs)
         loop = self._train_call.train(

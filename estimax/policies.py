@@ -1,5 +1,6 @@
-"""CheckpointPolicy and Best: when a run saves and which checkpoints it keeps, and which
-evaluation is the best (with the arguments of ``train_and_evaluate`` that named one before).
+"""CheckpointPolicy, Best and Epochs: when a run saves and which checkpoints it keeps, which
+evaluation is the best, and a cadence in epochs (with the arguments of ``train_and_evaluate`` that
+named the best and the cadence before).
 
 Validated, immutable dataclasses that ``RunConfig`` (``config.py``) and the verbs take. They own
 these settings and the check of each; the checks of one value are ``checks/values.py``'s. Nothing
@@ -156,14 +157,67 @@ def _direction_of(metric: str) -> str:
     )
 
 
-def best_from(best: Best | None, deprecated: dict) -> Best | None:
-    """``best``, or the ``Best`` that ``train_and_evaluate``'s old ``best_metric``/``mode``/``patience``
-    arguments meant (deprecated: one release with a warning)."""
-    unknown = sorted(set(deprecated) - {"best_metric", "mode", "patience"})
-    if unknown:
-        raise ConfigTypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
-    if not deprecated:
-        return best
+@dataclasses.dataclass(frozen=True)
+class Epochs:
+    """A cadence in epochs of the training input where ``train_and_evaluate(eval_every=...)`` takes
+    steps: ``eval_every=Epochs(1)`` evaluates after every epoch (the input must be of known size).
+
+    Attributes:
+      count: how many epochs between two evaluations.
+    """
+
+    count: int = 1
+
+    def __post_init__(self):
+        values.set_checked(self, "count", values.positive("Epochs", "count", self.count))
+
+
+_OLD_BEST = ("best_metric", "mode", "patience")
+_OLD_CADENCE = ("eval_every_steps", "eval_every_epochs")
+
+
+def takes_old_arguments(method: Callable[P, R]) -> Callable[P, R]:
+    """``train_and_evaluate`` that also takes the keywords which named its best before ``best=``
+    (``best_metric=``, ``mode=``, ``patience=``) and its cadence before ``eval_every=``
+    (``eval_every_steps=``, ``eval_every_epochs=``): one release, a ``DeprecationWarning``; a keyword it
+    has never taken is refused."""
+    own = set(inspect.signature(method).parameters)
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        old = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
+        unknown = sorted(set(old) - {*_OLD_BEST, *_OLD_CADENCE})
+        if unknown:
+            raise ConfigTypeError(f"train_and_evaluate() got unexpected keyword arguments {unknown}.")
+        cadence = {name: old.pop(name) for name in _OLD_CADENCE if name in old}
+        if cadence:
+            kwargs["eval_every"] = _eval_every_from(kwargs.pop("eval_every", None), cadence)
+        if old:
+            kwargs["best"] = _best_from(kwargs.pop("best", None), old)  # type: ignore[arg-type]
+        return method(*args, **kwargs)
+
+    return call
+
+
+def _eval_every_from(eval_every, deprecated: dict):
+    """``eval_every``, or what ``eval_every_steps=``/``eval_every_epochs=`` meant."""
+    given = {name: value for name, value in deprecated.items() if value is not None}
+    if not given:
+        return eval_every
+    if eval_every is not None or len(given) > 1:
+        received = {"eval_every": eval_every, **given} if eval_every is not None else given
+        raise ConfigError(
+            f"train_and_evaluate() received {received}; expected one cadence. "
+            "Fix: eval_every=<steps> or eval_every=ex.Epochs(<epochs>)."
+        )
+    ((name, value),) = given.items()
+    replacement = value if name == "eval_every_steps" else Epochs(value)
+    _deprecated(f"{name}={value!r}", f"eval_every={replacement!r}")
+    return replacement
+
+
+def _best_from(best: Best | None, deprecated: dict) -> Best | None:
+    """``best``, or the ``Best`` that ``best_metric=``/``mode=``/``patience=`` meant."""
     if best is not None:
         raise ConfigError(
             f"train_and_evaluate() received best= and {sorted(deprecated)}; expected one of them. "
@@ -175,26 +229,10 @@ def best_from(best: Best | None, deprecated: dict) -> Best | None:
         if metric is not None
         else Best("loss", "min", keep_checkpoint=False, patience=patience)
     )
-    warnings.warn(
-        f"train_and_evaluate({', '.join(f'{k}={v!r}' for k, v in deprecated.items())}) is deprecated; "
-        f"pass best={replacement!r}.",
-        DeprecationWarning,
-        stacklevel=4,  # best_from, takes_old_best_arguments, the one-thread wrapper, the caller
-    )
+    _deprecated(", ".join(f"{k}={v!r}" for k, v in deprecated.items()), f"best={replacement!r}")
     return replacement if (metric is not None or patience is not None) else None
 
 
-def takes_old_best_arguments(method: Callable[P, R]) -> Callable[P, R]:
-    """``train_and_evaluate`` that also takes the keywords which named its best before ``best=``
-    (``best_metric=``, ``mode=``, ``patience=``: one release, a ``DeprecationWarning``), as ``best_from``
-    turns them into ``best=``; a keyword it has never taken is refused by ``best_from`` too."""
-    own = set(inspect.signature(method).parameters)
-
-    @functools.wraps(method)
-    def call(*args: P.args, **kwargs: P.kwargs) -> R:
-        old = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
-        if old:
-            kwargs["best"] = best_from(kwargs.pop("best", None), old)  # type: ignore[arg-type]
-        return method(*args, **kwargs)
-
-    return call
+def _deprecated(old: str, new: str) -> None:
+    # stacklevel: this function, the one converting, takes_old_arguments, the one-thread wrapper, the caller
+    warnings.warn(f"train_and_evaluate({old}) is deprecated; pass {new}.", DeprecationWarning, stacklevel=5)

@@ -22,8 +22,8 @@ import jax
 from estimax import counting, eval_sets
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.checks import validation
-from estimax.config import Best
+from estimax.checks import validation, values
+from estimax.config import Best, Epochs
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
@@ -89,23 +89,24 @@ class TrainCall:
         return hooks
 
     def evaluated(
-        self, train_input, eval_input, every: tuple, best: Best | None, hooks: Sequence[Hook], checks, run: Callable
+        self, train_input, eval_input, eval_every, best: Best | None, hooks: Sequence[Hook], checks, run: Callable
     ) -> Evaluated:
-        """What ``train_and_evaluate`` trains with, checked in this order: the cadence (``every``:
-        ``(eval_every_steps, eval_every_epochs)``, one of them set), the evaluation sets of ``eval_input``
-        and the one ``best`` reads, the hooks with their early stopping and the splits they watch, the
-        training input, then each set with the metrics the hooks and ``best`` use. ``checks``: the
-        Estimator's ``ModeChecks``; ``run(name, input, state, should_stop=...)`` evaluates one set."""
-        every_steps, every_epochs = every
-        if (every_steps is None) == (every_epochs is None):
+        """What ``train_and_evaluate`` trains with, checked in this order: the cadence (``eval_every``:
+        steps or ``Epochs``), the evaluation sets of ``eval_input`` and the one ``best`` reads, the hooks
+        with their early stopping and the splits they watch, the training input, then each set with the
+        metrics the hooks and ``best`` use. ``checks``: the Estimator's ``ModeChecks``;
+        ``run(name, input, state, should_stop=...)`` evaluates one set."""
+        if eval_every is None:
             raise ConfigError(
-                "train_and_evaluate() needs exactly one of eval_every_steps and eval_every_epochs; "
-                f"received eval_every_steps={every_steps!r}, eval_every_epochs={every_epochs!r}."
+                "train_and_evaluate() needs eval_every: how often to evaluate, in steps or in epochs; received "
+                "none. Fix: eval_every=500 (steps) or eval_every=ex.Epochs(1) (after every epoch)."
             )
+        if not isinstance(eval_every, Epochs):
+            eval_every = values.positive("train_and_evaluate", "eval_every", eval_every)
         sets = eval_sets.named(eval_input)
         best_set = eval_sets.deciding(best, sets)
-        if every_epochs is not None:
-            every_steps = every_epochs * self.plan.steps_per_epoch(train_input)
+        if isinstance(eval_every, Epochs):
+            eval_every = eval_every.count * self.plan.steps_per_epoch(train_input)
         hooks = self.hooks(hooks, best, best_set)  # with early stopping where best has a patience
         validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = checks.train(train_input)
@@ -113,7 +114,7 @@ class TrainCall:
         checked = {name: checks.evaluate(input, used) for name, input in sets.items()}
         evaluation = self.evaluation(
             lambda name, state, should_stop: run(name, checked[name], state, should_stop=should_stop),
-            every_steps,
+            eval_every,
             best,
             tuple(checked),
             best_set,

@@ -61,7 +61,7 @@ def main(model_dir: str) -> None:
     assert_type(estimator.train(arrays, max_steps=8, hooks=[ex.EarlyStopping("loss", patience=2)]), ex.Estimator)
     assert_type(estimator.step, int)
     assert_type(estimator.evaluate(arrays), dict[str, float])
-    best = estimator.train_and_evaluate(arrays, arrays, max_steps=16, eval_every_steps=8, best=ex.Best("accuracy"))
+    best = estimator.train_and_evaluate(arrays, arrays, max_steps=16, eval_every=8, best=ex.Best("accuracy"))
     assert_type(best, dict[str, float])
     for row in estimator.predict(arrays):
         print(row["logits"])

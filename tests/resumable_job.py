@@ -50,8 +50,6 @@ if __name__ == "__main__":
             def __iter__(self):
                 return slow_evaluation()
 
-        est.train_and_evaluate(
-            ex.data.from_arrays(*blobs(256)), SlowEvaluation(), max_steps=max_steps, eval_every_steps=5
-        )
+        est.train_and_evaluate(ex.data.from_arrays(*blobs(256)), SlowEvaluation(), max_steps=max_steps, eval_every=5)
     else:
         est.train(ex.data.from_arrays(*blobs(256)), max_steps=max_steps)

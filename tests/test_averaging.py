@@ -171,7 +171,7 @@ def test_train_and_evaluate_chooses_the_best_checkpoint_by_the_average(tmp_path)
     features, labels = blobs(64, seed=1)
     est = estimator(model_dir, ema_decay=0.9, quiet=True)
     est.train_and_evaluate(
-        _train_input(), ex.data.from_arrays(features, labels), max_steps=8, eval_every_steps=4, best=ex.Best("loss")
+        _train_input(), ex.data.from_arrays(features, labels), max_steps=8, eval_every=4, best=ex.Best("loss")
     )
     evaluations = _records(model_dir, "eval")
     assert [r["step"] for r in evaluations] == [4, 8] and all(r["ema_decay"] == 0.9 for r in evaluations)

@@ -49,13 +49,11 @@ def first_words(message: str, count: int = 6) -> list[str]:
 
 
 def _batch_size_that_does_not_divide(tmp_path, request):
-    estimator(str(tmp_path / "run"), eval_batch_size=12).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+    estimator(str(tmp_path / "run"), eval_batch_size=12).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4)
 
 
 def _best_of_a_metric_not_evaluated(tmp_path, request):
-    estimator(str(tmp_path / "run")).train_and_evaluate(
-        DATA, DATA, max_steps=8, eval_every_steps=4, best=ex.Best("acc")
-    )
+    estimator(str(tmp_path / "run")).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4, best=ex.Best("acc"))
 
 
 def _a_function_as_a_hook(tmp_path, request):
@@ -86,7 +84,7 @@ def _text_features(tmp_path, request):
 def _a_mean_loss_where_evaluation_pads(tmp_path, request):
     padded = ex.data.from_arrays(*blobs(100))
     sgd_estimator(mean_loss_fn, model_dir=str(tmp_path / "run")).train_and_evaluate(
-        DATA, padded, max_steps=8, eval_every_steps=4
+        DATA, padded, max_steps=8, eval_every=4
     )
 
 
@@ -248,7 +246,7 @@ MISTAKES = {
     "`evaluate`, `predict` or `model()` before training, with no checkpoint": _an_evaluation_before_training,
     "`RunConfig(train_batch_size=0)`": _a_batch_size_of_zero,
     '`ex.Best("accuracy", patience=0)`': _a_patience_of_zero,
-    "`train_and_evaluate` without `eval_every_steps` or `eval_every_epochs`": _train_and_evaluate_without_eval_every,
+    "`train_and_evaluate` without `eval_every`": _train_and_evaluate_without_eval_every,
     "input files that do not exist": _input_files_that_do_not_exist,
     "records without a feature of the spec (an ArrayRecord or TFRecord file)": _records_without_a_feature_of_the_spec,
     "`ex.Estimater` (a name estimax does not have)": _a_name_estimax_does_not_have,

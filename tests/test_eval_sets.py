@@ -136,9 +136,7 @@ def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(m
 
     sets = {"val": ex.data.from_arrays(*VAL), "test": ex.data.from_arrays(*TEST)}
     est = make_estimator(model_dir, tensorboard=True, steps_per_loop=2, log_every_steps=2)
-    final = est.train_and_evaluate(
-        ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4, hooks=[SetPicture()]
-    )
+    final = est.train_and_evaluate(ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every=4, hooks=[SetPicture()])
     assert set(final) == {"val", "test"}
     assert est.compiled().eval_step == 1  # sets of one feature shape share the evaluation program
     _check_equal(final["val"], reference(VAL))
@@ -190,7 +188,7 @@ def test_training_records_each_set_under_its_name_in_jsonl_tensorboard_and_log(m
     assert any(line.startswith("eval_val step 8") for line in lines)
     assert any(line.startswith("eval_test step 8") and "num_examples 37" in line for line in lines)
     # Nothing left to train: the current state's evaluation, per set, recorded under each name again.
-    again = est.train_and_evaluate(ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every_steps=4)
+    again = est.train_and_evaluate(ex.data.from_arrays(*VAL), sets, max_steps=8, eval_every=4)
     assert again == final
 
 
@@ -240,7 +238,7 @@ def test_best_is_decided_by_the_named_set(tmp_path, decides, best_step):
     est = _moving_estimator(model_dir)
     sets = {"near": ex.data.from_arrays(*NEAR), "far": ex.data.from_arrays(*FAR)}
     best = ex.Best("error", set=decides)
-    est.train_and_evaluate(ex.data.from_arrays(*FAR), sets, max_steps=8, eval_every_steps=2, best=best)
+    est.train_and_evaluate(ex.data.from_arrays(*FAR), sets, max_steps=8, eval_every=2, best=best)
     errors = {
         r["step"]: r["error"] for r in _records(model_dir) if r["split"] == f"eval_{decides}"
     }  # the hand computation: |w - target| with w = 1 - 0.8**step
@@ -256,7 +254,7 @@ def test_patience_watches_the_named_set(model_dir):
     est = _moving_estimator(model_dir)
     sets = {"near": ex.data.from_arrays(*NEAR), "far": ex.data.from_arrays(*FAR)}
     best = ex.Best("error", set="near", patience=2, keep_checkpoint=False)
-    est.train_and_evaluate(ex.data.from_arrays(*FAR), sets, max_steps=20, eval_every_steps=2, best=best)
+    est.train_and_evaluate(ex.data.from_arrays(*FAR), sets, max_steps=20, eval_every=2, best=best)
     assert est.step == 8  # best at 4; steps 6 and 8 did not improve on it
 
 
@@ -264,7 +262,7 @@ def test_one_set_decides_without_naming_it(model_dir):
     est = _moving_estimator(model_dir)
     best = ex.Best("error")
     est.train_and_evaluate(
-        ex.data.from_arrays(*FAR), {"near": ex.data.from_arrays(*NEAR)}, max_steps=8, eval_every_steps=2, best=best
+        ex.data.from_arrays(*FAR), {"near": ex.data.from_arrays(*NEAR)}, max_steps=8, eval_every=2, best=best
     )
     assert _best_step(model_dir) == 4
 
@@ -285,11 +283,11 @@ def test_wrong_sets_are_one_config_error_each_before_anything_runs(model_dir):
     ]
     for eval_input, best, kind, match in cases:
         with pytest.raises(kind, match=match) as error:
-            est.train_and_evaluate(train, eval_input, max_steps=4, eval_every_steps=2, best=best)
+            est.train_and_evaluate(train, eval_input, max_steps=4, eval_every=2, best=best)
         assert "\n" not in str(error.value)
     stopping = ex.EarlyStopping("loss")  # watches "eval", which named sets do not record
     with pytest.raises(ex.ConfigError, match=r"EarlyStopping\(split='eval'\) watches no evaluation .*'eval_val'"):
-        est.train_and_evaluate(train, {"val": val}, max_steps=4, eval_every_steps=2, hooks=[stopping])
+        est.train_and_evaluate(train, {"val": val}, max_steps=4, eval_every=2, hooks=[stopping])
     with pytest.raises(ex.ConfigError, match=r"evaluate\(input=\.\.\.\)=\{\} is an empty mapping"):
         est.evaluate({})
     with pytest.raises(ex.ConfigError, match=r"Best\(set=\.\.\.\) has the set name 'a/b'"):

@@ -654,5 +654,5 @@ def test_metric_names_that_collide_are_refused_before_the_first_step(tmp_path):
         estimator({"prf/accuracy": jnp.ones(64)}).evaluate(DATA)
     est = estimator({"prf/accuracy": jnp.ones(64)}, str(tmp_path / "run"))
     with pytest.raises(ex.errors.ConfigError, match=r"'prf/accuracy' twice"):
-        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=2)
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every=2)
     assert int(est.state().step) == 0  # refused before the first training step

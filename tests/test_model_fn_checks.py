@@ -24,7 +24,7 @@ def test_a_mean_loss_is_refused_before_training_wherever_evaluation_pads(model_d
         r"a batch that is padded \(4 valid rows\): .*Expected per-example values of shape \(32,\)\. Fix: return the "
         r"per-example loss",
     ):
-        est.train_and_evaluate(train, padded, max_steps=8, eval_every_steps=4)
+        est.train_and_evaluate(train, padded, max_steps=8, eval_every=4)
     # A model_fn that fails in train mode fails at train()'s start, before the model_dir is touched.
     features, labels = blobs(64)
     with pytest.raises(ex.ModelFnError, match=r"model_fn read features\['x'\] in train mode"):
@@ -35,7 +35,7 @@ def test_a_mean_loss_is_refused_before_training_wherever_evaluation_pads(model_d
         est.evaluate(batches)
     per_example = sgd_estimator(model_dir=model_dir)  # a metric name that does not exist, with plain iterables
     with pytest.raises(ValueError, match=r"Best\(metric='acc'\): not among the evaluation's metrics"):
-        per_example.train_and_evaluate(iter(batches * 8), batches, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
+        per_example.train_and_evaluate(iter(batches * 8), batches, max_steps=8, eval_every=4, best=ex.Best("acc"))
     assert not os.path.exists(model_dir)
     with pytest.raises(ex.ModelFnError, match=r"its 100 examples in batches of 32"):
         est.evaluate(padded)  # at the start: not after evaluating every batch

@@ -269,17 +269,17 @@ def test_evaluate_predict_and_model_warn_once_about_initial_weights(model_dir):
 def test_mistakes_are_found_before_the_first_step(model_dir):
     est = estimator(model_dir, eval_batch_size=12)
     with pytest.raises(ValueError, match=r"eval_batch_size=12\) does not divide the 8 devices.*use 8 or 16"):
-        est.train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+        est.train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4)
     with pytest.raises(ValueError, match=r"predict_batch_size=4\) does not divide"):
         estimator(model_dir, predict_batch_size=4).train(DATA, max_steps=4)
     with pytest.raises(
         ValueError,
         match=r"Best\(metric='acc'\): not among the evaluation's metrics \['accuracy', 'loss', 'num_examples'\]",
     ):
-        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, best=ex.Best("acc"))
+        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4, best=ex.Best("acc"))
     stopping = ex.EarlyStopping("val_loss")
     with pytest.raises(ValueError, match=r"EarlyStopping\(metric='val_loss'\): not among the evaluation's metrics"):
-        estimator(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4, hooks=[stopping])
+        estimator(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4, hooks=[stopping])
     with pytest.raises(TypeError, match=r"hooks\[0\] is function .*expected an estimax.hooks.Hook"):
         estimator(model_dir).train(DATA, max_steps=4, hooks=[lambda loop: None])
     assert _steps(model_dir) == [] and not os.path.exists(os.path.join(model_dir, "metrics.jsonl"))
@@ -296,10 +296,10 @@ def test_a_late_mistake_keeps_the_checkpoint_that_was_due(model_dir):
 
     est = estimator(model_dir, save_every_steps=4)
     with pytest.raises(EvaluationError, match=r"raised OSError: the evaluation files went away reading batch 2"):
-        est.train_and_evaluate(iter(plain * 8), Breaks(), max_steps=8, eval_every_steps=4)
+        est.train_and_evaluate(iter(plain * 8), Breaks(), max_steps=8, eval_every=4)
     assert _steps(model_dir) == [4] and estimator(model_dir).step == 4
     # The end of training is saved also when its last loop was evaluated at the boundary.
-    estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=8)
+    estimator(model_dir, save_every_steps=None).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=8)
     assert _steps(model_dir) == [4, 8]
 
 
@@ -462,7 +462,7 @@ def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp
     # The default policy saves every 1000 steps: nothing is due at step 4 but the end of training.
     model_dir = str(tmp_path / "host_metrics")
     with pytest.raises(ex.errors.EstimaxError) as raised:
-        _est(model_dir, _reads_labels).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+        _est(model_dir, _reads_labels).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4)
     message = str(raised.value)
     assert "host_metrics function _reads_labels (" in message and "test_reliability.py:" in message
     assert "KeyError: 'labels'" in message and "outputs hold the keys ['logits', 'y']" in message
@@ -473,7 +473,7 @@ def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp
     FRAGILE["broken"] = True
     try:
         with pytest.raises(ex.errors.EstimaxError, match=r"compute\(\) of metric 'fragile' \(_Fragile\) raised Key"):
-            _est(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=2)
+            _est(model_dir).train_and_evaluate(DATA, DATA, max_steps=8, eval_every=2)
     finally:
         FRAGILE["broken"] = False
     assert _steps(model_dir) == [2]
@@ -487,7 +487,7 @@ def test_a_failing_evaluation_saves_the_trained_steps_then_names_what_failed(tmp
 
     with pytest.raises(ex.errors.EstimaxError, match=r"evaluation input raised OSError: the evaluation shard is gone "
                        r"reading batch 2 \(after 1 batches\)"):  # fmt: skip
-        _est(model_dir).train_and_evaluate(DATA, failing_input(), max_steps=8, eval_every_steps=4)
+        _est(model_dir).train_and_evaluate(DATA, failing_input(), max_steps=8, eval_every=4)
     assert _steps(model_dir) == [4]
 
 

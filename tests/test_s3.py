@@ -128,7 +128,7 @@ def test_s3_best_checkpoint_warm_start_and_lease_takeover_through_aws_endpoint_u
     )
     est = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     est.train_and_evaluate(
-        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every_steps=4,
+        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every=4,
         best=ex.Best("accuracy"),
     )  # fmt: skip
     assert f"Took over the lock of model_dir {url}: its lease expired" in estimax_log.text

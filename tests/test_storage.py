@@ -109,7 +109,7 @@ def test_gs_best_checkpoint_and_warm_start_from_a_bucket(gcs):
     url = "gs://bkt/best"
     est = store_estimator(url, checkpoint=ex.CheckpointPolicy(every_steps=4))
     est.train_and_evaluate(
-        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every_steps=4,
+        ex.data.from_arrays(*STORE_DATA), ex.data.from_arrays(*STORE_DATA), max_steps=12, eval_every=4,
         best=ex.Best("accuracy"),
     )  # fmt: skip
     assert any(n.startswith("best/") for n in bucket_names(url))

@@ -40,7 +40,7 @@ def test_a_hook_logs_the_model_s_kernel_as_an_image_histogram_and_text_after_eac
     est = estimator(model_dir, tensorboard=True, checkpoint=ex.CheckpointPolicy(every_steps=8, keep=10))
     hook = KernelPictures()
     est.train_and_evaluate(
-        ex.data.from_arrays(*blobs(256)), ex.data.from_arrays(*blobs(64, seed=1)), max_steps=16, eval_every_steps=8,
+        ex.data.from_arrays(*blobs(256)), ex.data.from_arrays(*blobs(64, seed=1)), max_steps=16, eval_every=8,
         hooks=[hook],
     )  # fmt: skip
     assert sorted(hook.kernels) == [8, 16]
@@ -90,7 +90,7 @@ def test_a_matplotlib_figure_is_an_image_in_tensorboard(model_dir):
         ex.data.from_arrays(*blobs(128)),
         ex.data.from_arrays(*blobs(32)),
         max_steps=4,
-        eval_every_steps=4,
+        eval_every=4,
         hooks=[Figure()],
     )
     (image,) = _events(model_dir).Images("eval/loss_plot")

@@ -85,10 +85,10 @@ def test_writers_metrics_file_and_tensorboard_read_back(model_dir):
 def test_train_and_evaluate_alternates_without_recompiling(model_dir):
     recorder = Recorder()
     est = estimator(model_dir, steps_per_loop=4, eval_batch_size=64, loop="scan")
-    final = est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every_steps=8, hooks=[recorder])
+    final = est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every=8, hooks=[recorder])
     assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16, 24]
     assert final["num_examples"] == 256 and final == est.evaluate(DATA)
-    assert est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every_steps=8) == final  # nothing left to train
+    assert est.train_and_evaluate(DATA, DATA, max_steps=24, eval_every=8) == final  # nothing left to train
     assert est.compiled() == ex.Compiled("scan", train_scan=1, eval_step=1)
     summary = _records(model_dir, "summary")[-1]
     assert summary["step"] == 24 and summary["accuracy"] == final["accuracy"]
@@ -100,14 +100,40 @@ def test_train_and_evaluate_alternates_without_recompiling(model_dir):
 def test_a_hook_that_may_stop_still_gets_the_final_evaluation():
     recorder = Recorder()  # overrides after_loop: each loop is read before the next is dispatched
     estimator(steps_per_loop=4, eval_batch_size=64).train_and_evaluate(
-        DATA, DATA, max_steps=22, eval_every_steps=8, hooks=[recorder]
+        DATA, DATA, max_steps=22, eval_every=8, hooks=[recorder]
     )
     assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16, 22]
 
 
+def test_eval_every_counts_epochs_of_the_training_input():
+    recorder = Recorder()  # 256 examples in batches of 32: 8 steps an epoch
+    estimator(steps_per_loop=4, eval_batch_size=64).train_and_evaluate(
+        DATA, DATA, epochs=3, eval_every=ex.Epochs(2), hooks=[recorder]
+    )
+    assert [e[1] for e in recorder.events if e[0] == "eval"] == [16, 24]
+    for wrong, error in ((0, ex.errors.ConfigError), ("1 epoch", TypeError), (ex.Epochs, TypeError)):
+        with pytest.raises(error, match=r"eval_every="):
+            estimator().train_and_evaluate(DATA, DATA, max_steps=4, eval_every=wrong)
+    with pytest.raises(ex.errors.ConfigError, match=r"Epochs\(count=0\) must be a positive integer"):
+        ex.Epochs(0)
+
+
+def test_the_old_cadence_arguments_still_work_with_a_warning():
+    recorder = Recorder()
+    with pytest.warns(DeprecationWarning, match=r"train_and_evaluate\(eval_every_epochs=1\) is deprecated; "
+                      r"pass eval_every=Epochs\(count=1\)") as warned:  # fmt: skip
+        estimator(steps_per_loop=4).train_and_evaluate(DATA, DATA, epochs=2, eval_every_epochs=1, hooks=[recorder])
+    assert warned[0].filename == __file__  # the warning points at the call
+    assert [e[1] for e in recorder.events if e[0] == "eval"] == [8, 16]
+    with pytest.warns(DeprecationWarning, match=r"\(eval_every_steps=4\) is deprecated; pass eval_every=4\."):
+        estimator(steps_per_loop=4).train_and_evaluate(DATA, DATA, max_steps=8, eval_every_steps=4)
+    with pytest.raises(ex.errors.ConfigError, match=r"received \{'eval_every': 4, 'eval_every_steps': 4\}; expected"):
+        estimator().train_and_evaluate(DATA, DATA, max_steps=8, eval_every=4, eval_every_steps=4)
+
+
 def test_the_best_checkpoint_is_the_best(model_dir):
     est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.5)
-    est.train_and_evaluate(DATA, DATA, max_steps=20, eval_every_steps=2, best=ex.Best("loss"))
+    est.train_and_evaluate(DATA, DATA, max_steps=20, eval_every=2, best=ex.Best("loss"))
     evaluations = {r["step"]: r["loss"] for r in _records(model_dir, "eval")}
     (best_step,) = [int(d) for d in os.listdir(os.path.join(model_dir, "best")) if d.isdigit()]
     assert evaluations[best_step] == min(evaluations.values())
@@ -117,7 +143,7 @@ def test_the_best_checkpoint_is_the_best(model_dir):
 
 def test_early_stopping_stops_when_the_metric_stalls():
     est = estimator(steps_per_loop=2, eval_batch_size=64, lr=0.0)  # nothing is learned: the loss stalls
-    est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every_steps=4, best=ex.Best(patience=2))
+    est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every=4, best=ex.Best(patience=2))
     assert est.step == 12  # evaluations at 4 (best), 8 and 12 (no improvement twice): stop
 
 
@@ -131,16 +157,14 @@ def _with_nan_at(step, rows=32):
 def test_the_old_best_metric_mode_and_patience_arguments_still_work_with_a_warning(model_dir):
     est = estimator(model_dir, steps_per_loop=2, eval_batch_size=64, lr=0.0)
     with pytest.warns(DeprecationWarning, match=r"pass best=Best\(metric='loss', direction='min'.*patience=2"):
-        est.train_and_evaluate(
-            DATA, DATA, max_steps=100, eval_every_steps=4, best_metric="loss", mode="min", patience=2
-        )
+        est.train_and_evaluate(DATA, DATA, max_steps=100, eval_every=4, best_metric="loss", mode="min", patience=2)
     assert est.step == 12 and os.listdir(os.path.join(model_dir, "best"))  # stopped early, the best kept
     with pytest.warns(DeprecationWarning, match=r"EarlyStopping\(mode='max'\) is deprecated; pass direction='max'"):
         assert ex.EarlyStopping("accuracy", mode="max").direction == "max"
     with pytest.raises(ex.errors.ConfigError, match=r"received best= and \['patience'\]; expected one of them"):
-        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=4, best=ex.Best(), patience=2)
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every=4, best=ex.Best(), patience=2)
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['best_metrics'\]"):
-        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every_steps=4, best_metrics="loss")
+        est.train_and_evaluate(DATA, DATA, max_steps=4, eval_every=4, best_metrics="loss")
 
 
 @pytest.mark.parametrize("last_step_apart", [False, True], ids=["conditional", "last_step_apart"])
@@ -268,7 +292,7 @@ def test_evaluations_finer_than_a_loop_say_at_which_steps_they_run(estimax_log):
     hook = Steps()
     est = estimator(None, steps_per_loop=8)
     est.train_and_evaluate(
-        ex.data.from_arrays(*blobs(256)), ex.data.from_arrays(*blobs(64)), max_steps=48, eval_every_steps=20,
+        ex.data.from_arrays(*blobs(256)), ex.data.from_arrays(*blobs(64)), max_steps=48, eval_every=20,
         hooks=[hook],
     )  # fmt: skip
     (line,) = [m for m in estimax_log.messages if m.startswith("Evaluating every 20 steps")]

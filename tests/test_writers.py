@@ -160,7 +160,7 @@ class StandStillAt14(ex.Hook):
 
 est = estimator(sys.argv[1], steps_per_loop=2, log_every_steps=2, save_every_steps=8, tensorboard=True)
 data = ex.data.from_arrays(*blobs(256))
-est.train_and_evaluate(data, data, max_steps=100, eval_every_steps=4, hooks=[StandStillAt14()])
+est.train_and_evaluate(data, data, max_steps=100, eval_every=4, hooks=[StandStillAt14()])
 """
 
 

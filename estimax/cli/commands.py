@@ -176,7 +176,7 @@ def train(args, task, estimator, first: bool) -> int:
         eval_input = estimator.check(EVAL, eval_input)
     start = time.perf_counter()
     if eval_every:
-        results = estimator.train_and_evaluate(train_input, eval_input, eval_every_steps=eval_every, **length)
+        results = estimator.train_and_evaluate(train_input, eval_input, eval_every=eval_every, **length)
     else:
         results = estimator.train(train_input, **length).evaluate(eval_input)
     if first:

@@ -116,7 +116,7 @@ class InputPlan:
                 return None
             raise InputKindError(
                 f"Counting in epochs needs an input of known size, e.g. estimax.data.from_arrays; "
-                f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every_steps)."
+                f"received {type(input).__name__}. Fix: count in steps instead (max_steps, eval_every=<steps>)."
             )
         return input.steps_per_epoch(self.host_batch(TRAIN), self.process_count)
 
