@@ -59,7 +59,29 @@ def compiled_programs_kept_for_the_session(tmp_path_factory):
     os.environ.update(shared_cache_env(directory))
     jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_SIZE)  # this process read its variables before
     warm.keep_cache_entries()
+    programs_read_once()
     yield compile_cache.enable(directory)
+
+
+def programs_read_once():
+    """A program this process read from the session's cache is read from the cache's file once: an Estimator
+    builds its programs anew, and each read of the same entry (the same key: the same program, compiled with
+    the same options for the same devices) would load the same executable again (0.03-0.07 CPU-s a program).
+    Programs with host callbacks, which are loaded with them, are read each time."""
+    from jax._src import compiler
+
+    read = compiler._cache_read
+    loaded: dict = {}
+
+    def read_once(module_name, cache_key, *rest):  # rest: the options, backend, devices (and host callbacks)
+        if cache_key in loaded:
+            return loaded[cache_key]
+        found = read(module_name, cache_key, *rest)
+        if found[0] is not None and not (rest[3:] and rest[3]):
+            loaded[cache_key] = found
+        return found
+
+    compiler._cache_read = read_once
 
 
 def pytest_ignore_collect(collection_path, config):
