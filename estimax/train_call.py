@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -27,7 +28,7 @@ from estimax.config import Best, Epochs
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
-from estimax.errors import ConfigError
+from estimax.errors import ConfigError, ConfigTypeError
 from estimax.group.preemption import PreemptionWatch
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.hooks.call_writers import CallWriters
@@ -100,6 +101,11 @@ class TrainCall:
             raise ConfigError(
                 "train_and_evaluate() needs eval_every: how often to evaluate, in steps or in epochs; received "
                 "none. Fix: eval_every=500 (steps) or eval_every=ex.Epochs(1) (after every epoch)."
+            )
+        if isinstance(eval_every, bool) or not isinstance(eval_every, numbers.Integral | Epochs):
+            raise ConfigTypeError(
+                f"train_and_evaluate(eval_every={eval_every!r}) is of type {type(eval_every).__name__}; expected "
+                "a number of steps or ex.Epochs(n). Fix: eval_every=500 or eval_every=ex.Epochs(1)."
             )
         if not isinstance(eval_every, Epochs):
             eval_every = values.positive("train_and_evaluate", "eval_every", eval_every)

@@ -111,8 +111,8 @@ def test_eval_every_counts_epochs_of_the_training_input():
         DATA, DATA, epochs=3, eval_every=ex.Epochs(2), hooks=[recorder]
     )
     assert [e[1] for e in recorder.events if e[0] == "eval"] == [16, 24]
-    for wrong, error in ((0, ex.errors.ConfigError), ("1 epoch", TypeError), (ex.Epochs, TypeError)):
-        with pytest.raises(error, match=r"eval_every="):
+    for wrong, error in ((0, ex.errors.ConfigError), ("1 epoch", TypeError), (ex.Epochs, TypeError), (1.5, TypeError)):
+        with pytest.raises(error, match=r"eval_every=.*(positive integer|a number of steps or ex\.Epochs\(n\))"):
             estimator().train_and_evaluate(DATA, DATA, max_steps=4, eval_every=wrong)
     with pytest.raises(ex.errors.ConfigError, match=r"Epochs\(count=0\) must be a positive integer"):
         ex.Epochs(0)
