@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
@@ -170,6 +171,23 @@ class Epochs:
 
     def __post_init__(self):
         values.set_checked(self, "count", values.positive("Epochs", "count", self.count))
+
+
+def checked_cadence(eval_every) -> int | Epochs:
+    """``train_and_evaluate``'s ``eval_every``: a positive number of steps, or an ``Epochs``."""
+    if isinstance(eval_every, Epochs):
+        return eval_every
+    if eval_every is None:
+        raise ConfigError(
+            "train_and_evaluate() needs eval_every: how often to evaluate, in steps or in epochs; received "
+            "none. Fix: eval_every=500 (steps) or eval_every=ex.Epochs(1) (after every epoch)."
+        )
+    if isinstance(eval_every, bool) or not isinstance(eval_every, numbers.Integral):
+        raise ConfigTypeError(
+            f"train_and_evaluate(eval_every={eval_every!r}) is of type {type(eval_every).__name__}; expected "
+            "a number of steps or ex.Epochs(n). Fix: eval_every=500 or eval_every=ex.Epochs(1)."
+        )
+    return values.positive("train_and_evaluate", "eval_every", eval_every)
 
 
 _OLD_BEST = ("best_metric", "mode", "patience")

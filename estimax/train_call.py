@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -23,17 +22,17 @@ import jax
 from estimax import counting, eval_sets
 from estimax import layout as layout_lib
 from estimax import mesh as mesh_lib
-from estimax.checks import validation, values
+from estimax.checks import validation
 from estimax.config import Best, Epochs
 from estimax.data import feed
 from estimax.data.plan import describe_input
 from estimax.data.source import Source
-from estimax.errors import ConfigError, ConfigTypeError
 from estimax.group.preemption import PreemptionWatch
 from estimax.hooks import EarlyStopping, Hook, RunInfo
 from estimax.hooks.call_writers import CallWriters
 from estimax.host_loop import Evaluation, HostLoop
 from estimax.loop import DeviceLoop
+from estimax.policies import checked_cadence
 from estimax.records.profiling import Profiler
 from estimax.records.summaries import Summaries
 from estimax.run import resize, run_computation
@@ -97,18 +96,7 @@ class TrainCall:
         with their early stopping and the splits they watch, the training input, then each set with the
         metrics the hooks and ``best`` use. ``checks``: the Estimator's ``ModeChecks``;
         ``run(name, input, state, should_stop=...)`` evaluates one set."""
-        if eval_every is None:
-            raise ConfigError(
-                "train_and_evaluate() needs eval_every: how often to evaluate, in steps or in epochs; received "
-                "none. Fix: eval_every=500 (steps) or eval_every=ex.Epochs(1) (after every epoch)."
-            )
-        if isinstance(eval_every, bool) or not isinstance(eval_every, numbers.Integral | Epochs):
-            raise ConfigTypeError(
-                f"train_and_evaluate(eval_every={eval_every!r}) is of type {type(eval_every).__name__}; expected "
-                "a number of steps or ex.Epochs(n). Fix: eval_every=500 or eval_every=ex.Epochs(1)."
-            )
-        if not isinstance(eval_every, Epochs):
-            eval_every = values.positive("train_and_evaluate", "eval_every", eval_every)
+        eval_every = checked_cadence(eval_every)
         sets = eval_sets.named(eval_input)
         best_set = eval_sets.deciding(best, sets)
         if isinstance(eval_every, Epochs):
