@@ -219,13 +219,12 @@ def takes_old_arguments(method: Callable[P, R]) -> Callable[P, R]:
 
 def _eval_every_from(eval_every, deprecated: dict):
     """``eval_every``, or what ``eval_every_steps=``/``eval_every_epochs=`` meant."""
-    given = {name: value for name, value in deprecated.items() if value is not None}
-    if not given:
+    given = {name: value for name, value in {"eval_every": eval_every, **deprecated}.items() if value is not None}
+    if given.keys() <= {"eval_every"}:
         return eval_every
-    if eval_every is not None or len(given) > 1:
-        received = {"eval_every": eval_every, **given} if eval_every is not None else given
+    if len(given) > 1:
         raise ConfigError(
-            f"train_and_evaluate() received {received}; expected one cadence. "
+            f"train_and_evaluate() received {given}; expected one cadence. "
             "Fix: eval_every=<steps> or eval_every=ex.Epochs(<epochs>)."
         )
     ((name, value),) = given.items()

@@ -77,7 +77,8 @@ def programs_read_once():
         if cache_key in loaded:
             return loaded[cache_key]
         found = read(module_name, cache_key, *rest)
-        if found[0] is not None and not (rest[3:] and rest[3]):
+        host_callbacks = rest[3] if len(rest) > 3 else ()  # jax 0.12 passes them; 0.10 caches no such program
+        if found[0] is not None and not host_callbacks:
             loaded[cache_key] = found
         return found
 
