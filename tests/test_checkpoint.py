@@ -15,7 +15,8 @@ from flax import nnx
 from models import blobs, estimator
 
 import estimax as ex
-from estimax.run.checkpoint import locate
+from estimax.run import pruning
+from estimax.run.checkpoint import Checkpointer, locate
 from estimax.run.checkpoint_meta import CheckpointMeta
 
 DATA = ex.data.from_arrays(*blobs(256))
@@ -362,3 +363,36 @@ def test_a_reader_lists_and_evaluates_the_checkpoints_while_the_writer_deletes_t
     assert trainer.wait() == 0, open(f"{model_dir}.log").read()[-2000:]
     assert listings > 100 and len(evaluated) > 5, f"{listings} listings, {len(evaluated)} evaluations: too few"
     assert _steps(model_dir) == [150]
+
+
+@pytest.mark.parametrize("races", [3, pruning.LISTINGS])
+def test_a_reader_that_the_writers_pruning_outpaces_is_told_so_and_nothing_is_called_damaged(
+    model_dir, monkeypatch, estimax_log, races
+):
+    # Between a listing and its read the writer commits the next step and deletes the listed one (keep=1), as
+    # a trainer saving every step does to a reader slower than a step; each race lost is listed again. Every
+    # listing lost was "No usable checkpoint ... step N: FileNotFoundError", as if the step were damaged.
+    policy = ex.CheckpointPolicy(every_steps=1, keep=1, max_overhead=None, async_save=False)
+    writer = estimator(model_dir, steps_per_loop=1, checkpoint=policy)
+    writer.train(DATA, max_steps=1)
+    restore, raced = Checkpointer._restore_verified, []
+
+    def read_once_the_writer_moved_on(self, target, step):
+        if self.read_only and len(raced) < races:
+            raced.append(step)
+            writer.train(DATA, max_steps=step + 1)
+        return restore(self, target, step)
+
+    monkeypatch.setattr(Checkpointer, "_restore_verified", read_once_the_writer_moved_on)
+    reader = estimator(model_dir)
+    if races < pruning.LISTINGS:  # a race lost fewer times than the reader lists: the newest step is read
+        reader.evaluate(DATA, steps=1)
+        assert f"Restored checkpoint step {races + 1} from" in estimax_log.text
+    else:
+        with pytest.raises(ex.CheckpointError) as caught:
+            reader.evaluate(DATA, steps=1)
+        message = str(caught.value)
+        assert f"its writer deleted the newest step of each of {races} listings before it was read" in message
+        assert f"step {races}: " in message and "Nothing is damaged" in message and "Estimator.follow" in message
+    assert raced == list(range(1, races + 1)) and _steps(model_dir) == [races + 1]
+    assert "cannot be used" not in estimax_log.text and "No usable checkpoint" not in estimax_log.text

@@ -272,9 +272,11 @@ class Checkpointer:
             except Exception as error:  # truncated files, altered arrays
                 if isinstance(error, StorageError) or unanswered(error):
                     raise  # the store, not the checkpoint: ``bounded`` tries again or reports it
-                if step is None and listings < pruning.LISTINGS and (self.latest_step() or -1) > candidates[0]:
+                if step is None and (self.latest_step() or -1) > candidates[0]:
                     # A newer step was committed since the listing: the writer may have deleted this one.
-                    return self._restore(abstract_state, None, listings + 1)
+                    if listings < pruning.LISTINGS:
+                        return self._restore(abstract_state, None, listings + 1)
+                    raise pruning.outpaced(self.directory, candidate, first_line(error)) from error
                 # A later attempt that took the model_dir over meanwhile may have pruned or replaced this step:
                 # the lock's error (exit 74), not damage, and nothing moved aside by a process that is no writer.
                 self._lock.prove()

@@ -3,8 +3,9 @@
 Owns the choice (the committed steps before the ``keep`` newest, except one every
 ``keep_every_hours`` by commit time) and the deletion: each batch once this process proved it
 holds the model_dir's lock, oldest first, a step that is already gone skipped; a step a live
-follower has not read yet (``holds.py``) is kept until it has, or until its hold expires; and a
-reader's listing that a deletion raced, which is listed again. Does not own when it runs
+follower has not read yet (``holds.py``) is kept until it has, or until its hold expires; a
+reader's listing that a deletion raced, which is listed again; and the error of a reader that lost
+that race every time (``outpaced``). Does not own when it runs
 (``checkpoint.py``: with no save in flight, on every process of a group alike, since Orbax's
 deletion is a collective) nor which steps are committed (Orbax's listing).
 """
@@ -19,6 +20,7 @@ import numpy as np
 
 from estimax import storage
 from estimax.config import CheckpointPolicy
+from estimax.errors import CheckpointError
 from estimax.run import holds
 
 
@@ -52,6 +54,18 @@ def listed(operation: str, directory: str, function, *args, **kwargs):
             if attempt + 1 == LISTINGS:
                 raise
             storage.forget_listings(directory)
+
+
+def outpaced(directory: str, step: int, error: str) -> CheckpointError:
+    """The error of a reader whose every listing's newest step was gone (deleted by the writer, which
+    committed a newer one meanwhile) before it was read: a race lost ``LISTINGS`` times, not damage."""
+    return CheckpointError(
+        f"Could not read a checkpoint of {directory}: its writer deleted the newest step of each of {LISTINGS} "
+        f"listings before it was read, committing a newer one each time (the last tried, step {step}: {error}). "
+        "Nothing is damaged. Fix: evaluate while training with Estimator.follow (`estimax evaluate --follow`), "
+        "which keeps each step until it is read; or have the trainer keep more checkpoints "
+        "(CheckpointPolicy(keep=...)) or save less often; or read once training ends."
+    )
 
 
 def held_from(model_dir: str) -> int | None:
