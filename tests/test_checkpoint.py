@@ -370,8 +370,8 @@ def test_a_reader_that_the_writers_pruning_outpaces_is_told_so_and_nothing_is_ca
     model_dir, monkeypatch, estimax_log, races
 ):
     # Between a listing and its read the writer commits the next step and deletes the listed one (keep=1), as
-    # a trainer saving every step does to a reader slower than a step; each race lost is listed again. Every
-    # listing lost was "No usable checkpoint ... step N: FileNotFoundError", as if the step were damaged.
+    # a trainer saving every step does to a reader slower than a step; each race lost is listed again. Losing
+    # every listing ended with "No usable checkpoint ... step N: FileNotFoundError", as if the step were damaged.
     policy = ex.CheckpointPolicy(every_steps=1, keep=1, max_overhead=None, async_save=False)
     writer = estimator(model_dir, steps_per_loop=1, checkpoint=policy)
     writer.train(DATA, max_steps=1)
