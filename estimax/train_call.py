@@ -96,11 +96,13 @@ class TrainCall:
         with their early stopping and the splits they watch, the training input, then each set with the
         metrics the hooks and ``best`` use. ``checks``: the Estimator's ``ModeChecks``;
         ``run(name, input, state, should_stop=...)`` evaluates one set."""
-        eval_every = checked_cadence(eval_every)
+        cadence = checked_cadence(eval_every)
         sets = eval_sets.named(eval_input)
         best_set = eval_sets.deciding(best, sets)
-        if isinstance(eval_every, Epochs):
-            eval_every = eval_every.count * self.plan.steps_per_epoch(train_input)
+        if isinstance(cadence, Epochs):
+            every_steps = cadence.count * self.plan.steps_per_epoch(train_input)
+        else:
+            every_steps = cadence
         hooks = self.hooks(hooks, best, best_set)  # with early stopping where best has a patience
         validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = checks.train(train_input)
@@ -108,7 +110,7 @@ class TrainCall:
         checked = {name: checks.evaluate(input, used) for name, input in sets.items()}
         evaluation = self.evaluation(
             lambda name, state, should_stop: run(name, checked[name], state, should_stop=should_stop),
-            eval_every,
+            every_steps,
             best,
             tuple(checked),
             best_set,
