@@ -9,10 +9,15 @@ faster), but where a test compares a child's numbers bitwise with its own (``hel
 ``TESTS_XLA_OPTIMIZATION=on`` compiles everything as a user's process does.
 """
 
+import json
 import logging
+import math
 import os
+import pathlib
 import types
 
+# Each module's seconds in a whole run (``--record-durations`` writes it): the order in which they are handed out.
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 _FAST_COMPILE = "" if os.environ.get("TESTS_XLA_OPTIMIZATION") == "on" else " --xla_backend_optimization_level=0"
 # A worker was lost to an abort (SIGABRT, no Python error) inside a step loop's dispatch on 8 devices. The likely
 # cause: XLA:CPU aborts a process whose collective waited 40 s for one of its devices (openxla/xla PR 32115 made it
@@ -39,6 +44,8 @@ from stores import gcs, s3  # noqa: E402, F401 (storage servers on 127.0.0.1)
 
 def pytest_configure(config):
     assert jax.device_count() == 8, "tests expect 8 simulated CPU devices; JAX was initialised too early"
+    if config.getoption("record_durations") and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        config.pluginmanager.register(DurationsRecorder(), "record-durations")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -90,6 +97,40 @@ def pytest_ignore_collect(collection_path, config):
     if config.getoption("markexpr") == "quick" and collection_path.name.startswith("test_"):
         return collection_path.suffix == ".py" and "pytest.mark.quick" not in collection_path.read_text() or None
     return None
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", action="store_true", help=f"write each module's seconds to {DURATIONS}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The longest modules first (``DURATIONS``, as a whole run measured them; a module not there counts as
+    longest): xdist hands a worker whole modules in this order (``--dist loadscope --no-loadscope-reorder``),
+    so the suite ends on short ones instead of one worker finishing a long module alone. A module's tests
+    keep their order."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    items.sort(key=lambda item: -seconds.get(_module(item.nodeid), math.inf))  # stable: modules stay whole
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
+class DurationsRecorder:
+    """``--record-durations``: each module's seconds (setup, call and teardown of its tests) in this run,
+    written into ``DURATIONS`` when it ends, by the process that reports (with xdist, the controller)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[_module(report.nodeid)] = self.seconds.get(_module(report.nodeid), 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}  # a part of the suite: updated
+        seconds.update((module, round(s, 1)) for module, s in self.seconds.items())
+        ordered = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+        DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
 
 
 def pytest_xdist_auto_num_workers(config):
