@@ -108,8 +108,12 @@ def pytest_collection_modifyitems(config, items):
     longest): xdist hands a worker whole modules in this order (``--dist loadscope --no-loadscope-reorder``),
     so the suite ends on short ones instead of one worker finishing a long module alone. A module's tests
     keep their order."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    seconds = _recorded()
     items.sort(key=lambda item: -seconds.get(_module(item.nodeid), math.inf))  # stable: modules stay whole
+
+
+def _recorded() -> dict[str, float]:
+    return json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
 
 def _module(nodeid: str) -> str:
@@ -127,7 +131,7 @@ class DurationsRecorder:
         self.seconds[_module(report.nodeid)] = self.seconds.get(_module(report.nodeid), 0.0) + report.duration
 
     def pytest_sessionfinish(self, session, exitstatus):
-        seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}  # a part of the suite: updated
+        seconds = _recorded()  # a run of part of the suite updates its modules
         seconds.update((module, round(s, 1)) for module, s in self.seconds.items())
         ordered = dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
         DURATIONS.write_text(json.dumps(ordered, indent=1) + "\n")
