@@ -99,10 +99,7 @@ class TrainCall:
         cadence = checked_cadence(eval_every)
         sets = eval_sets.named(eval_input)
         best_set = eval_sets.deciding(best, sets)
-        if isinstance(cadence, Epochs):
-            every_steps = cadence.count * self.plan.steps_per_epoch(train_input)
-        else:
-            every_steps = cadence
+        every_steps = cadence.count * self.plan.steps_per_epoch(train_input) if isinstance(cadence, Epochs) else cadence
         hooks = self.hooks(hooks, best, best_set)  # with early stopping where best has a patience
         validation.check_watched_splits(hooks, [eval_sets.split_of(name) for name in sets])
         train_input = checks.train(train_input)

@@ -9,6 +9,7 @@ faster), but where a test compares a child's numbers bitwise with its own (``hel
 ``TESTS_XLA_OPTIMIZATION=on`` compiles everything as a user's process does.
 """
 
+import collections
 import json
 import logging
 import math
@@ -125,10 +126,10 @@ class DurationsRecorder:
     written into ``DURATIONS`` when it ends, by the process that reports (with xdist, the controller)."""
 
     def __init__(self):
-        self.seconds: dict[str, float] = {}
+        self.seconds: collections.Counter[str] = collections.Counter()
 
     def pytest_runtest_logreport(self, report):
-        self.seconds[_module(report.nodeid)] = self.seconds.get(_module(report.nodeid), 0.0) + report.duration
+        self.seconds[_module(report.nodeid)] += report.duration
 
     def pytest_sessionfinish(self, session, exitstatus):
         seconds = _recorded()  # a run of part of the suite updates its modules
