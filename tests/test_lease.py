@@ -215,43 +215,47 @@ def test_a_write_the_store_applied_after_its_call_timed_out_leaves_the_lease_its
     renewal lost the lease to "another process", this one). Made for real: the emulator is stopped while the
     write waits in its queue and resumed after the call timed out and before the retry; it then applies the
     write (fake-gcs-server does; moto drops a request whose client has gone)."""
-    url, pid = "gs://bkt/answered-late", gcs.process.pid
+    url = "gs://bkt/answered-late"
     lease = 2 * LEASE  # each call waits lease / 4 = 2 s; a retry of a take follows 2 s later, of a renewal 1 s
-    timed_out = "the store did not answer"
+    took = {}
 
-    def stalled_until_timed_out(call):
-        """``call()`` while the store stands still until the holder's write has timed out (its warning),
-        and then answers: it applies that write before the holder tries again."""
-        seen = estimax_log.text.count(timed_out)
+    def stalled_until_timed_out(operation, call):
+        """``call()`` while the store stands still until the holder's write has timed out (its warning for
+        ``operation``), and then answers: it applies that write before the holder tries again."""
+        timed_out = f"{url}/{LOCK_FILE}: {operation}: the store did not answer"
 
         def resume():
-            while estimax_log.text.count(timed_out) == seen and time.monotonic() < deadline:
+            while timed_out not in estimax_log.text and time.monotonic() < deadline:
                 time.sleep(0.02)
-            os.kill(pid, signal.SIGCONT)
+            gcs.resume()
 
-        deadline = time.monotonic() + 3 * lease
-        os.kill(pid, signal.SIGSTOP)
+        gcs.stall()
+        began = time.monotonic()
+        deadline = began + 3 * lease
         resumer = threading.Thread(target=resume)
         resumer.start()
         try:
             return call()
         finally:
+            took[operation] = round(time.monotonic() - began, 1)
             deadline = 0.0
             resumer.join()
-            os.kill(pid, signal.SIGCONT)
+            gcs.resume()
 
     lock = LeaseLock(url, lease_seconds=lease, deadline_seconds=30)
-    stalled_until_timed_out(lock.acquire)  # the create times out, is applied, and is tried again 2 s later
+    stalled_until_timed_out("taking the lock", lock.acquire)  # the create times out, is applied, is tried again
     try:
         lock.prove(saving=1)  # a renewal now
-        stalled_until_timed_out(lambda: lock.prove(saving=2))  # a renewal times out, is applied, is tried again
+        stalled_until_timed_out("renewing the lease", lambda: lock.prove(saving=2))  # the same for a renewal
         lock.check()
         found = Holder.from_json(storage.read_bytes(f"{url}/{LOCK_FILE}"))
         assert (found.host, found.pid, found.saving) == (this_process().host, os.getpid(), 2), found
     finally:
         lock.release()
     assert not storage.exists(f"{url}/{LOCK_FILE}")  # released: its own to delete
-    assert estimax_log.text.count(timed_out) == 2, estimax_log.text  # one for each write
+    for operation in ("taking the lock", "renewing the lease"):  # one timeout each; ``took``: each call's seconds
+        timed_out = f"{url}/{LOCK_FILE}: {operation}: the store did not answer"
+        assert estimax_log.text.count(timed_out) == 1, (took, estimax_log.text)
 
 
 @pytest.mark.parametrize(
