@@ -3,6 +3,7 @@
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -78,3 +79,23 @@ def test_mnist_model_trains_one_step_with_the_decaying_schedule():
     assert est.step == 1
     assert all(np.max(np.abs(t - s)) > 0 for t, s in zip(_params(est), initial, strict=True))
     assert all(np.all(np.isfinite(t)) for t in _params(est))
+
+
+def test_the_digits_cnn_computes_its_convolutions_like_lax():
+    """The digits CNN's convolutions as matrix products of shifted windows (``windowed_conv``): its values and
+    gradients against ``lax.conv_general_dilated``'s, at its layers' shapes and others; a call it does not
+    compute itself (a stride of 2) goes to lax as it is."""
+    rng = np.random.default_rng(0)
+    for features_in, features_out, kernel, size, strides in [(1, 32, 5, 8, 1), (32, 64, 5, 4, 1), (3, 8, 4, 7, 1),
+                                                              (2, 3, 3, 5, 2)]:  # fmt: skip
+        x = jnp.asarray(rng.standard_normal((3, size, size, features_in)), jnp.float32)
+        layers = [
+            nnx.Conv(features_in, features_out, (kernel, kernel), strides, padding="SAME", rngs=nnx.Rngs(0), **conv)
+            for conv in ({}, {"conv_general_dilated": digits.windowed_conv})
+        ]
+        (expected, expected_grads), (got, grads) = [
+            nnx.value_and_grad(lambda layer, x: (layer(x) ** 2).sum(), argnums=(0, 1))(layer, x) for layer in layers
+        ]
+        np.testing.assert_allclose(got, expected, rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax import lax
 
 import estimax as ex
 
@@ -28,10 +29,33 @@ params = {"learning_rate": 1e-3, "image_size": 8, "num_classes": 10}
 DEFAULTS = {"batch_size": 128, "max_steps": 400, "steps_per_loop": 50, "loop": "auto"}
 
 
+# The convolutions ``windowed_conv`` computes itself: what this CNN's ``nnx.Conv`` layers ask for.
+WINDOWED = {
+    "window_strides": (1, 1), "padding": "SAME", "lhs_dilation": (1, 1), "rhs_dilation": (1, 1),
+    "dimension_numbers": lax.ConvDimensionNumbers((0, 3, 1, 2), (3, 2, 0, 1), (0, 3, 1, 2)),  # NHWC, HWIO
+    "feature_group_count": 1, "out_sharding": None,
+}  # fmt: skip
+
+
+def windowed_conv(lhs, rhs, window_strides, padding, precision=None, **options):
+    """``lax.conv_general_dilated`` as ``nnx.Conv`` calls it, computed as the sums a convolution stands for
+    (one matrix product of the kernel with the image's shifted windows) where the call is one of this CNN's
+    (``WINDOWED``), by ``lax.conv_general_dilated`` otherwise. XLA:CPU runs these small images'
+    convolutions about 10x slower than those products, forward and backward (openxla/xla issue 34273):
+    the training step is 6x faster this way on a 2-core CPU."""
+    asked = {**options, "window_strides": tuple(window_strides), "padding": padding}
+    if {name: asked.get(name) for name in WINDOWED} != WINDOWED:
+        return lax.conv_general_dilated(lhs, rhs, window_strides, padding, precision=precision, **options)
+    (kh, kw), (h, w) = rhs.shape[:2], lhs.shape[1:3]
+    padded = jnp.pad(lhs, ((0, 0), ((kh - 1) // 2, kh // 2), ((kw - 1) // 2, kw // 2), (0, 0)))  # "SAME"
+    windows = jnp.stack([padded[:, i : i + h, j : j + w] for i in range(kh) for j in range(kw)], axis=3)
+    return jnp.einsum("nhwtc,tco->nhwo", windows, rhs.reshape(kh * kw, *rhs.shape[2:]), precision=precision)
+
+
 class CNN(nnx.Module):
     def __init__(self, image_size: int = 8, num_classes: int = 10, *, rngs: nnx.Rngs):
-        self.conv1 = nnx.Conv(1, 32, (5, 5), padding="SAME", rngs=rngs)
-        self.conv2 = nnx.Conv(32, 64, (5, 5), padding="SAME", rngs=rngs)
+        self.conv1 = nnx.Conv(1, 32, (5, 5), padding="SAME", conv_general_dilated=windowed_conv, rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (5, 5), padding="SAME", conv_general_dilated=windowed_conv, rngs=rngs)
         pooled = image_size // 4
         self.dense = nnx.Linear(pooled * pooled * 64, 1024, rngs=rngs)
         self.dropout = nnx.Dropout(0.4, rngs=rngs)
