@@ -57,16 +57,16 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     )
     reference = str(tmp_path / "uninterrupted")
     first = _finish(_start(reference, env))
-    assert "loop=auto: using step: the training step has" in first  # the digits CNN: convolutions on CPU
-    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" in first and os.listdir(cache)
+    assert "loop=auto: using scan: no convolution in the training step" in first  # the digits CNN: matrix products
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_loop'" in first and os.listdir(cache)
 
     run = str(tmp_path / "run")
     process = _start(run, env)  # preempted at the end of a loop before the last: a checkpoint
-    _until(process, "loop=auto: using step")
+    _until(process, "loop=auto: using scan")
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=120) == 75
     process = _start(run, env)  # killed as soon as it has resumed
-    _until(process, "loop=auto: using step, the loop the checkpoint of step")
+    _until(process, "loop=auto: using scan, the loop the checkpoint of step")
     process.kill()
     process.wait()
     process = _start(run, env)  # killed in the middle of training
@@ -76,8 +76,8 @@ def test_default_cli_killed_twice_resumes_bitwise_and_reuses_compiled_programs(t
     last = _finish(_start(run, env))
     assert "the loop the checkpoint of step" in last and "no convolution" not in last
     # The train step compiled by the first process is read back, not compiled again.
-    assert "Persistent compilation cache hit for 'jit_step'" in last
-    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_step'" not in last
+    assert "Persistent compilation cache hit for 'jit_train_loop'" in last
+    assert "PERSISTENT COMPILATION CACHE MISS for 'jit_train_loop'" not in last
 
     (step, params), (ref_step, ref_params) = _params(run), _params(reference)
     assert step == ref_step == int(MAX_STEPS)
