@@ -29,9 +29,10 @@ the compiler's count of the hand-written step, the MFU where the device's
 peak is known (``estimax/records/flops.py``) and tokens/s for the token models.
 
 Expected on XLA:CPU: the scan wins on the host-bound MLP and LSTM, while the
-CNN's convolution gradients run ~10x slower inside a rolled ``lax.scan`` than
-as one call per step, so ``auto`` should pick ``step`` there. On a GPU ``auto``
-picks the scan.
+MNIST CNN's convolution gradients run ~10x slower inside a rolled ``lax.scan``
+than as one call per step, so ``auto`` should pick ``step`` there; the digits
+CNN computes its convolutions as matrix products (``windowed_conv``), which
+``auto`` scans. On a GPU ``auto`` picks the scan.
 
 Run: ``python benchmarks/loops.py`` (about 15 minutes on 2 cores);
 ``--workloads mlp,lstm`` picks workloads, ``--quick`` is a < 1 minute smoke run
