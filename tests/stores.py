@@ -8,6 +8,7 @@ import sys
 import time
 import urllib.request
 
+import psutil
 import pytest
 
 # The variable that marks who owns a process the tests start (tests/conftest.py kills each test's processes at
@@ -55,8 +56,6 @@ def _answers(process, url: str, name: str) -> bool:
 
 def _listens(process, port: int) -> bool:
     """Whether ``process`` itself holds the listening socket on ``port``."""
-    import psutil
-
     server = psutil.Process(process.pid)
     connections = getattr(server, "net_connections", None) or server.connections  # psutil < 6
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections(kind="tcp"))
@@ -95,8 +94,6 @@ class GCSEmulator:
 
     def stall(self) -> None:
         """The server stands still (it accepts connections and answers nothing) once this returns."""
-        import psutil
-
         os.kill(self.process.pid, signal.SIGSTOP)
         server, deadline = psutil.Process(self.process.pid), time.monotonic() + 10
         while server.status() != psutil.STATUS_STOPPED:
