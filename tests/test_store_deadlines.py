@@ -6,7 +6,6 @@ ends within its lease (``lease.py``), which a checkpoint save cannot outlast. De
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -55,7 +54,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
     reader = estimator(url)
     evaluated = reader.evaluate(ex.data.from_arrays(features, labels), steps=1)
     monkeypatch.setenv("ESTIMAX_STORE_DEADLINE_SECONDS", str(DEADLINE))
-    os.kill(gcs.process.pid, signal.SIGSTOP)
+    gcs.stall()
     try:
         took = [
             _fails_within_the_deadline(
@@ -68,7 +67,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
             _fails_within_the_deadline("reading", data, lambda: list(feed.eval_batches(source, 8))),
         ]  # fmt: skip
     finally:
-        os.kill(gcs.process.pid, signal.SIGCONT)
+        gcs.resume()
     # Warnings while it waits, and while it tries again after a request timed out.
     assert re.search(r"/checkpoints: listing the checkpoints: the store has not answered for \d s; waiting another",
                      estimax_log.text)  # fmt: skip
@@ -90,11 +89,11 @@ def test_a_checkpoint_save_on_a_stalled_store_ends_training_within_its_lease(gcs
     )  # fmt: skip
     assert job.stdout.readline() == "waiting at step 4\n", job.communicate()
     committed = max(int(name) for name in storage.listdir(f"{url}/checkpoints") if name.isdigit())
-    os.kill(gcs.process.pid, signal.SIGSTOP)  # the save of step 4, due once the job goes on, meets a stalled store
+    gcs.stall()  # the save of step 4, due once the job goes on, meets a stalled store
     try:
         stderr, said, exited = ended(job, resume_paused(job))
     finally:
-        os.kill(gcs.process.pid, signal.SIGCONT)
+        gcs.resume()
     lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     assert f"{url}/estimax.lock: renewing the lease: the store did not answer for" in lines[0], lines[0]
