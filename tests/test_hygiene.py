@@ -93,3 +93,28 @@ def test_a_launched_process_runs_warm_passes_signals_on_and_ends_as_its_child(fa
         with pytest.raises(psutil.NoSuchProcess):
             psutil.wait_procs([psutil.Process(pid)], timeout=30)
             psutil.Process(pid).status()
+
+
+# Programs that end in each way a Python process ends: their statuses, outputs and last lines of stderr.
+ENDINGS = {
+    "status": "import sys; sys.exit(3)",
+    "status-over-255": "import sys; sys.exit(300)",
+    "message": "import sys; sys.exit('stopped')",
+    "exception": "raise ValueError('bad')",
+    "interrupt": "raise KeyboardInterrupt",
+    "thread": "import threading, time\nthreading.Thread(target=lambda: (time.sleep(0.3), print('joined'))).start()",
+    "atexit": "import atexit; atexit.register(print, 'at exit')",
+    "unflushed": "print('no newline', end='')",
+}
+
+
+@pytest.mark.parametrize("program", ENDINGS.values(), ids=ENDINGS.keys())
+def test_a_warm_child_ends_as_a_cold_one(program):
+    # A warm child ends without tearing down the heap it shares with its interpreter (tests/warm.py): the rest
+    # of the interpreter's ending (threads joined, atexit, streams flushed, the exit status) is the same.
+    def ending(start):
+        child = start([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = child.communicate(timeout=60)
+        return child.returncode, out, err.strip().splitlines()[-1:]
+
+    assert ending(warm.Popen) == ending(subprocess.Popen)
