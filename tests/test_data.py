@@ -8,6 +8,7 @@ from models import blobs, estimator
 
 import estimax as ex
 from estimax.data import feed
+from estimax.data.source import ChunkSizes, total_steps
 
 pytestmark = pytest.mark.quick  # the quick tier: pytest -m quick
 
@@ -40,6 +41,27 @@ def test_stacks_hold_the_same_batches_as_single_steps():
     assert [s[0]["x"].shape for s in stacks] == [(7, 16, 6), (7, 16, 6), (3, 16, 6)]
     np.testing.assert_array_equal(np.concatenate([s[0]["x"] for s in stacks]), np.stack([b[0]["x"] for b in batches]))
     np.testing.assert_array_equal(np.concatenate([s[1] for s in stacks]), np.stack([b[1] for b in batches]))
+
+
+@pytest.mark.parametrize(("start", "target", "per_loop"), [(0, 22, 4), (5, 22, 4), (0, 8, 4), (3, 3, 4), (7, 9, 1)])
+def test_the_loops_of_a_call_are_its_steps_cut_into_steps_per_loop(start, target, per_loop):
+    sizes = ChunkSizes(start, target, per_loop)
+    expected = [min(per_loop, target - s) for s in range(start, target, per_loop)]
+    assert list(sizes) == expected and len(sizes) == len(expected) and sizes[1:] == expected[1:]
+    assert sizes.steps == total_steps(expected) == sum(expected)
+
+
+def test_a_distant_max_steps_holds_no_list_of_its_loops():
+    # A run that trains until it is stopped (max_steps=10**15) asked for a list of 10**15 loop sizes.
+    sizes = ChunkSizes(10, 10**15, 1)
+    assert len(sizes) == 10**15 - 10 and sizes[-1] == 1 and sizes.steps == 10**15 - 10
+
+    class StopAfterThreeLoops(ex.hooks.Hook):
+        def after_loop(self, loop):
+            return loop.step_after >= 12
+
+    est = estimator(steps_per_loop=4)
+    assert est.train(ex.data.from_arrays(*blobs(256)), max_steps=10**15, hooks=[StopAfterThreeLoops()]).step == 12
 
 
 def test_process_shards_are_disjoint_and_cover_the_data():

@@ -14,7 +14,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -83,7 +83,7 @@ class Stacks:
 def train_stacks(
     source,
     host_batch_size: int,
-    chunk_sizes: list[int],
+    chunk_sizes: Sequence[int],
     *,
     seed: int,
     start_step: int,
@@ -121,7 +121,7 @@ def train_stacks(
     return Stacks(_stack(_drop_final_partial(_iterate(source), host_batch_size), chunk_sizes))
 
 
-def _stack(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
+def _stack(batches: Iterator, chunk_sizes: Sequence[int]) -> Iterator:
     """Checked batches written straight into one preallocated array per leaf and chunk."""
     check = BatchChecker()
     for size in chunk_sizes:

@@ -14,7 +14,7 @@ devices (``feed``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -24,6 +24,7 @@ import numpy as np
 from estimax.data import feed
 from estimax.data import files as files_lib
 from estimax.data.checks import BatchChecker, stack_examples
+from estimax.data.source import total_steps
 from estimax.errors import InputError, InputKindError
 
 Shard = Callable[[int, int], grain.MapDataset]
@@ -61,7 +62,7 @@ class MapSource:
     def train_stacks(
         self,
         host_batch_size: int,
-        chunk_sizes: list[int],
+        chunk_sizes: Sequence[int],
         *,
         seed: int,
         start_step: int = 0,
@@ -80,7 +81,7 @@ class MapSource:
         # Grain's shuffle gives index i of epoch e (i + e * size) the e-th permutation's i-th example.
         order = _GlobalOrder(self._shard(0, 1).shuffle(seed % 2**32), global_batch, host_batch_size, process_index)
         first = start_step * host_batch_size
-        examples = grain.MapDataset.range(first, first + sum(chunk_sizes) * host_batch_size).map(order)
+        examples = grain.MapDataset.range(first, first + total_steps(chunk_sizes) * host_batch_size).map(order)
         # Only the steps this call trains: Grain's read-ahead stops at the end of training.
         batches = self._read(examples.batch(host_batch_size, drop_remainder=True, batch_fn=stack_examples))
         return _stacks(batches, chunk_sizes)
@@ -155,7 +156,7 @@ class IterSource:
     def train_stacks(
         self,
         host_batch_size: int,
-        chunk_sizes: list[int],
+        chunk_sizes: Sequence[int],
         *,
         seed: int,
         start_step: int = 0,
@@ -179,7 +180,7 @@ class IterSource:
         return iter(_with_workers(dataset.batch(host_batch_size, batch_fn=stack_examples), self.num_workers))
 
 
-def _stacks(batches: Iterator, chunk_sizes: list[int]) -> Iterator:
+def _stacks(batches: Iterator, chunk_sizes: Sequence[int]) -> Iterator:
     check = BatchChecker()
     try:
         for size in chunk_sizes:

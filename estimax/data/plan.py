@@ -25,7 +25,7 @@ import numpy as np
 from estimax import counting
 from estimax import mesh as mesh_lib
 from estimax.data import feed
-from estimax.data.source import SizedSource, Source
+from estimax.data.source import ChunkSizes, SizedSource, Source
 from estimax.errors import ConfigError, EstimaxError, EvaluationError, InputError, InputKindError, one_line
 from estimax.spec import EVAL, TRAIN, Mode
 
@@ -153,12 +153,10 @@ class InputPlan:
         ``position``: where the input stood at ``start``: a checkpoint's (every process's, as
         ``saved_position`` gave it) or this process's own from the call before.
         """
-        per_loop = self.config.steps_per_loop
-        chunk_sizes = [min(per_loop, target - s) for s in range(start, target, per_loop)]
         stacks = feed.train_stacks(
             input,
             self.host_batch(TRAIN),
-            chunk_sizes,
+            ChunkSizes(start, target, self.config.steps_per_loop),
             seed=self.config.seed,
             start_step=start,
             input_state=self._own_position(input, position, start),
