@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import sys
+import time
 
 import helpers
 import jax
@@ -360,6 +361,8 @@ def test_a_reader_lists_and_evaluates_the_checkpoints_while_the_writer_deletes_t
                 listings += 1
             reader.close()
             evaluated.append(estimator(model_dir).evaluate(DATA, steps=1)["loss"])
+        else:  # nothing to race yet: the trainer gets the cores while it compiles
+            time.sleep(0.01)
     assert trainer.wait() == 0, open(f"{model_dir}.log").read()[-2000:]
     assert listings > 100 and len(evaluated) > 5, f"{listings} listings, {len(evaluated)} evaluations: too few"
     assert _steps(model_dir) == [150]
