@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -416,6 +417,7 @@ def test_a_sharded_run_killed_and_resumed_is_bitwise_identical(tmp_path):
     checkpoints = os.path.join(killed, "checkpoints")
     while not (os.path.isdir(checkpoints) and any(n.isdigit() and int(n) >= 8 for n in os.listdir(checkpoints))):
         assert process.poll() is None, process.stdout.read()
+        time.sleep(0.002)  # as helpers.wait_for: a look every 2 ms leaves the cores to the run it waits for
     process.kill()
     process.wait()
     process = start(killed, 20)
