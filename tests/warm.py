@@ -10,8 +10,10 @@ is its parent (made a subreaper: the warm interpreter forks twice and the child 
 ``wait``, ``kill``, ``send_signal``, ``communicate`` and timeouts work as for any ``subprocess.Popen``. It
 runs ``python SCRIPT ...``, ``python -m MODULE ...`` or ``python -c CODE ...`` as the interpreter would.
 
-What differs from a cold start is only what was imported before the child's first line, so a test of what
-a fresh interpreter imports, of start-up or of interpreter flags uses ``subprocess`` itself (and the
+What differs from a cold start is only what was imported before the child's first line, and that its ending
+leaves out the teardown of that heap (``_run_and_end``: threads, atexit, streams and exit status as the
+interpreter's own), so a test of what a fresh interpreter imports, of start-up, of interpreter flags or of
+what objects do when the interpreter tears them down uses ``subprocess`` itself (and the
 session's compilation cache does not look for entries to evict: ``keep_cache_entries``). Variables read
 on import (``START_UP``) select the warm interpreter; every other variable is the child's own, and what
 estimax derives from the environment on import is derived again from the child's
