@@ -1,5 +1,6 @@
 """Real storage servers on 127.0.0.1 for the tests: the GCS emulator (fake-gcs-server) and moto's S3 server."""
 
+import contextlib
 import os
 import signal
 import socket
@@ -102,6 +103,15 @@ class GCSEmulator:
 
     def resume(self) -> None:
         os.kill(self.process.pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def stalled(self):
+        """The server stands still inside the block and answers again after it, however the block ends."""
+        self.stall()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def stop(self) -> None:
         self.process.terminate()

@@ -48,7 +48,7 @@ def test_the_loops_of_a_call_are_its_steps_cut_into_steps_per_loop(start, target
     sizes = ChunkSizes(start, target, per_loop)
     expected = [min(per_loop, target - s) for s in range(start, target, per_loop)]
     assert list(sizes) == expected and len(sizes) == len(expected) and sizes[1:] == expected[1:]
-    assert sizes.steps == total_steps(expected) == sum(expected)
+    assert sizes.steps == total_steps(sizes) == total_steps(expected) == sum(expected)
 
 
 def test_a_distant_max_steps_holds_no_list_of_its_loops():

@@ -182,11 +182,8 @@ def test_a_stalled_store_ends_the_follower_within_its_deadline_and_it_resumes_wh
     assert code == 0, err
     follower = _following(model_dir, SLOW_RESTORE=1, ESTIMAX_STORE_DEADLINE_SECONDS=8)
     _wait_for_records(model_dir, 1, follower)
-    gcs.stall()
-    try:
+    with gcs.stalled():
         code, out, err = _finished(follower, timeout=60)
-    finally:
-        gcs.resume()
     assert code == 74, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(ERROR) and "expected a store that answers within 8 s" in last, err

@@ -184,16 +184,13 @@ def test_taking_and_releasing_the_lock_on_a_stalled_store_wait_a_bounded_time(gc
     # its proven window (and stop quietly) while release() waits for it.
     lease, deadline = 2 * LEASE, 3  # each call waits lease / 4 = 2 s: one try, a warning, a second try
     lock = LeaseLock(url, lease_seconds=lease, deadline_seconds=deadline).acquire()
-    gcs.stall()  # the store stalls: it accepts connections, answers nothing
-    try:
+    with gcs.stalled():  # the store stalls: it accepts connections, answers nothing
         began = time.monotonic()
         lock.release()  # never raises: it runs in a finally, where the error in flight is the one to report
         released = time.monotonic() - began
         with pytest.raises(StoreUnavailableError) as raised:
             LeaseLock(url, lease_seconds=lease, deadline_seconds=deadline).acquire()
         refused = time.monotonic() - began - released
-    finally:
-        gcs.resume()
     assert re.fullmatch(
         rf"{url}/estimax.lock: taking the lock: the store did not answer for \d s \(.*\); expected a store "
         r"that answers within 3 s \(ESTIMAX_STORE_DEADLINE_SECONDS\)\. Fix: nothing was written; run the same "

@@ -54,8 +54,7 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
     reader = estimator(url)
     evaluated = reader.evaluate(ex.data.from_arrays(features, labels), steps=1)
     monkeypatch.setenv("ESTIMAX_STORE_DEADLINE_SECONDS", str(DEADLINE))
-    gcs.stall()
-    try:
+    with gcs.stalled():
         took = [
             _fails_within_the_deadline(
                 "listing the checkpoints", f"{url}/checkpoints",
@@ -66,8 +65,6 @@ def test_evaluate_export_and_a_data_read_on_a_stalled_store_end_within_the_deadl
             _fails_within_the_deadline("uploading", upload, lambda: storage.upload(str(tmp_path / "local"), upload)),
             _fails_within_the_deadline("reading", data, lambda: list(feed.eval_batches(source, 8))),
         ]  # fmt: skip
-    finally:
-        gcs.resume()
     # Warnings while it waits, and while it tries again after a request timed out.
     assert re.search(r"/checkpoints: listing the checkpoints: the store has not answered for \d s; waiting another",
                      estimax_log.text)  # fmt: skip
@@ -89,11 +86,8 @@ def test_a_checkpoint_save_on_a_stalled_store_ends_training_within_its_lease(gcs
     )  # fmt: skip
     assert job.stdout.readline() == "waiting at step 4\n", job.communicate()
     committed = max(int(name) for name in storage.listdir(f"{url}/checkpoints") if name.isdigit())
-    gcs.stall()  # the save of step 4, due once the job goes on, meets a stalled store
-    try:
+    with gcs.stalled():  # the save of step 4, due once the job goes on, meets a stalled store
         stderr, said, exited = ended(job, resume_paused(job))
-    finally:
-        gcs.resume()
     lines = error_lines(stderr)
     assert job.returncode == 74 and len(lines) == 1 and "Traceback" not in stderr, stderr
     assert f"{url}/estimax.lock: renewing the lease: the store did not answer for" in lines[0], lines[0]
