@@ -118,3 +118,19 @@ def test_a_warm_child_ends_as_a_cold_one(program):
         return child.returncode, out, err.strip().splitlines()[-1:]
 
     assert ending(warm.Popen) == ending(subprocess.Popen)
+
+
+@pytest.mark.parametrize("extra", ["", "{tests}", "{tmp}:{tests}", "{tmp}::{root}:{tmp}", "rel"])
+def test_a_warm_child_has_the_sys_path_and_packages_of_a_cold_one(tmp_path, extra):
+    # PYTHONPATH is the child's own: folders that hold none of the warm interpreter's packages do not choose it.
+    (tmp_path / "task_module.py").write_text("WHERE = __file__\n")
+    where = {"tests": os.path.dirname(__file__), "root": os.path.dirname(os.path.dirname(__file__)), "tmp": tmp_path}
+    env = job_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra.format(**where), env["PYTHONPATH"]]))
+    program = "import sys, estimax, task_module; print(sys.path, estimax.__file__, task_module.WHERE)"
+
+    def seen(start):
+        child = start([sys.executable, "-c", program], env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+        return child.communicate(timeout=60)[0]
+
+    assert seen(warm.Popen) == seen(subprocess.Popen)

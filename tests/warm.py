@@ -19,8 +19,10 @@ on import (``START_UP``) select the warm interpreter; every other variable is th
 estimax derives from the environment on import is derived again from the child's
 (``estimax.storage.clients.use_one_client``). XLA reads its flags when the first backend starts, not on
 import, and JAX's device count is a setting the child applies before that (``APPLIED``,
-``JAX_SETTINGS``): children that differ only in those share an interpreter. ``TESTS_WARM_CHILDREN=off``
-starts every child cold.
+``JAX_SETTINGS``): children that differ only in those share an interpreter. So do children whose PYTHONPATHs
+differ but for folders that hold no package the warm interpreter imported (``_holders``; the tests' own folder, a
+user's task): the child's ``sys.path`` is made from its own PYTHONPATH. ``TESTS_WARM_CHILDREN=off`` starts every
+child cold.
 
 The processes ``estimax launch`` starts are the launcher's children, not the test's, so they hand over
 instead (``hand_over``, which tests/sitecustomize.py calls before anything is imported): each asks the
@@ -54,8 +56,9 @@ RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal
 # get a warm interpreter of their own.
 START_UP = ("JAX_", "XLA_", "TF_", "TPU_", "PYTHON", "KERAS_", "OPENBLAS_", "OMP_", "MKL_", "LANG", "LC_", "GCSFS_")
 # ... but not these, which the child reads itself: XLA's flags when its first backend starts (a warm interpreter
-# starts none) and a group's placement when it joins one ...
-APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+# starts none), a group's placement when it joins one and PYTHONPATH (its sys.path; but ``_holders``) ...
+APPLIED = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
+           "PYTHONPATH")  # fmt: skip
 # ... nor JAX settings read on import, which the child sets again (``_become``) before its backend starts.
 JAX_SETTINGS = {"JAX_NUM_CPU_DEVICES": ("jax_num_cpu_devices", int)}
 _CHILDS_OWN = (*APPLIED, *JAX_SETTINGS)
@@ -87,7 +90,7 @@ class Popen(subprocess.Popen):
         env = {os.fsdecode(k): os.fsdecode(v) for k, v in (os.environ if env is None else env).items()}
         streams = [fd if fd != -1 else default for fd, default in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))]
         cwd = os.path.abspath(os.fsdecode(cwd)) if cwd is not None else os.getcwd()
-        self.pid = _interpreter_for(env).fork(argv, env, cwd, bool(start_new_session), streams)
+        self.pid = _interpreter_for(env, cwd).fork(argv, env, cwd, bool(start_new_session), streams)
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
@@ -152,8 +155,10 @@ def interpreter_pids() -> set[int]:
     return {i.process.pid for i in _interpreters.values()}
 
 
-def _interpreter_for(env: dict) -> _Interpreter:
+def _interpreter_for(env: dict, cwd: str) -> _Interpreter:
     key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(START_UP) and k not in _CHILDS_OWN))
+    if holders := _holders(_python_path(env, cwd)):
+        key += (("PYTHONPATH", os.pathsep.join(holders)),)
     with _made:
         if not _interpreters:  # orphans of this process's children come back to it, to be waited for
             if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -161,6 +166,20 @@ def _interpreter_for(env: dict) -> _Interpreter:
         if key not in _interpreters or _interpreters[key].process.poll() is not None:
             _interpreters[key] = _Interpreter(key)
         return _interpreters[key]
+
+
+def _python_path(env: dict, cwd: str) -> list[str]:
+    """The folders PYTHONPATH puts on ``sys.path``, as Python's start-up does: each absolute (an empty entry is
+    the working directory), the first of each kept."""
+    entries = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    return list(dict.fromkeys(os.path.normpath(os.path.join(cwd, entry)) for entry in entries))
+
+
+def _holders(folders: list[str]) -> tuple[str, ...]:
+    """The folders that hold a package the warm interpreter imports (``PRELOADED``): where its estimax, say,
+    comes from, and so what a child's PYTHONPATH must agree on to share it."""
+    packages = {name.partition(".")[0] for name in PRELOADED}
+    return tuple(f for f in folders if any(os.path.exists(os.path.join(f, p)) for p in packages))
 
 
 def serve_launched(path: str) -> None:
@@ -183,7 +202,9 @@ def _launch(connection: socket.socket) -> None:
         message, fds, _, _ = socket.recv_fds(connection, 1 << 20, 4)
         try:
             request = json.loads(message)
-            pid = _interpreter_for(request["env"]).fork(request["argv"], request["env"], request["cwd"], True, fds)
+            pid = _interpreter_for(request["env"], request["cwd"]).fork(
+                request["argv"], request["env"], request["cwd"], True, fds
+            )
         except Exception:  # noqa: BLE001 - the launched process runs its command itself
             connection.send(b"0\n")
             return
@@ -267,8 +288,9 @@ def _serve(connection: socket.socket):
         connection.send(child)
 
 
-def _become(request: dict, streams: list[int], added: dict):
-    """This forked process becomes the child ``request`` describes, then runs its program."""
+def _become(request: dict, streams: list[int], added: dict, installed: list[str]):
+    """This forked process becomes the child ``request`` describes, then runs its program. ``installed``: the
+    folders on ``sys.path`` that no PYTHONPATH put there (the standard library, site-packages)."""
     gc.enable()  # collects what the child makes, as any interpreter does
     if request["new_session"]:
         os.setsid()
@@ -282,6 +304,7 @@ def _become(request: dict, streams: list[int], added: dict):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[1:] = dict.fromkeys([*_python_path(os.environ, os.getcwd()), *installed])
     for name, value in added.items():  # what the imports set, as they would have in this environment
         os.environ.setdefault(name, value)
     import jax
@@ -372,6 +395,7 @@ if __name__ == "__main__":
         __import__(name)
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
     keep_cache_entries()
+    installed = [p for p in sys.path[1:] if p not in _python_path(before, os.getcwd())]
     sys.path[0] = ""  # the child sets its own
     gc.freeze()
-    _become(*_serve(socket.socket(fileno=int(sys.argv[1]))), added)
+    _become(*_serve(socket.socket(fileno=int(sys.argv[1]))), added, installed)
