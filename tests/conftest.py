@@ -23,7 +23,7 @@ DURATIONS = pathlib.Path(__file__).with_name("durations.json")
 _FAST_COMPILE = "" if os.environ.get("TESTS_XLA_OPTIMIZATION") == "on" else " --xla_backend_optimization_level=0"
 # A worker was lost to an abort (SIGABRT, no Python error) inside a step loop's dispatch on 8 devices. The likely
 # cause: XLA:CPU aborts a process whose collective waited 40 s for one of its devices (openxla/xla PR 32115 made it
-# a flag for uneven loads), and 2 cores shared by three workers of 8 devices and the processes they start are
+# a flag for uneven loads), and 2 cores shared by several workers of 8 devices and the processes they start are
 # uneven. Longer here: a collective that waits that long fails its test at pytest-timeout, with every thread's stack.
 _PATIENT_COLLECTIVES = " --xla_cpu_collective_call_terminate_timeout_seconds=300"
 os.environ["XLA_FLAGS"] = (
