@@ -171,7 +171,8 @@ def _interpreter_for(env: dict, cwd: str) -> _Interpreter:
 def _python_path(env: dict, cwd: str) -> list[str]:
     """The folders PYTHONPATH puts on ``sys.path``, as Python's start-up does: each absolute (an empty entry is
     the working directory), the first of each kept."""
-    entries = env.get("PYTHONPATH", "").split(os.pathsep) if env.get("PYTHONPATH") else []
+    value = env.get("PYTHONPATH")
+    entries = value.split(os.pathsep) if value else []
     return list(dict.fromkeys(os.path.normpath(os.path.join(cwd, entry)) for entry in entries))
 
 
@@ -395,7 +396,8 @@ if __name__ == "__main__":
         __import__(name)
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
     keep_cache_entries()
-    installed = [p for p in sys.path[1:] if p not in _python_path(before, os.getcwd())]
+    own = set(_python_path(before, os.getcwd()))
+    installed = [p for p in sys.path[1:] if p not in own]
     sys.path[0] = ""  # the child sets its own
     gc.freeze()
     _become(*_serve(socket.socket(fileno=int(sys.argv[1]))), added, installed)
