@@ -67,6 +67,7 @@ _CHILDS_OWN = (*APPLIED, *JAX_SETTINGS)
 # that JAX loads at a process's first lowering (0.02 CPU-s).
 PRELOADED = ("numpy", "jax", "flax.nnx", "optax", "orbax.checkpoint", "grain", "estimax.estimator", "estimax.cli",
              "sklearn.datasets", "sklearn.model_selection", "gcsfs", "jaxlib.mlir.dialects.mhlo")  # fmt: skip
+_PRELOADED_PACKAGES = frozenset(name.partition(".")[0] for name in PRELOADED)
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -179,8 +180,7 @@ def _python_path(env: dict, cwd: str) -> list[str]:
 def _holders(folders: list[str]) -> tuple[str, ...]:
     """The folders that hold a package the warm interpreter imports (``PRELOADED``): where its estimax, say,
     comes from, and so what a child's PYTHONPATH must agree on to share it."""
-    packages = {name.partition(".")[0] for name in PRELOADED}
-    return tuple(f for f in folders if any(os.path.exists(os.path.join(f, p)) for p in packages))
+    return tuple(f for f in folders if any(os.path.exists(os.path.join(f, p)) for p in _PRELOADED_PACKAGES))
 
 
 def serve_launched(path: str) -> None:
